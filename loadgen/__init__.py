@@ -1,0 +1,1 @@
+"""stepserve loadgen package."""

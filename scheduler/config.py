@@ -1,0 +1,85 @@
+"""`SchedulerConfig`: the scheduler's knobs, validated once at construction.
+
+Names follow `vllm serve` flags where the concept is the same. Invalid combinations raise
+`ValueError` with a message that names the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
+VictimPolicy = Literal["newest", "priority"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets, policies and preemption settings for one `Scheduler`."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0  # host swap slots; 0 disables swap preemption
+    policy: Policy = "fcfs"
+    aging_period: float = 10.0  # seconds of waiting that buy one priority level
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a chunk is only capped by the token budget
+    preemption_mode: PreemptionMode = "recompute"
+    victim_policy: VictimPolicy | None = None  # None: "priority" under the priority policy, else "newest"
+    enable_prefix_caching: bool = False
+    priority_preemption_threshold: int | None = None  # None: waiting requests never preempt running ones
+    # Cost model for preemption_mode="auto" (defaults: a Llama-3.1-8B-shaped model on an A100).
+    kv_bytes_per_token: int = 131072
+    flops_per_token: float = 16e9
+    swap_bandwidth: float = 16e9  # bytes/s over the host link, one direction
+    compute_rate: float = 312e12  # FLOP/s
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_gpu_blocks")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+        if self.victim_policy not in (None, "newest", "priority"):
+            raise ValueError(f"victim_policy must be 'newest' or 'priority', got {self.victim_policy!r}")
+        if self.preemption_mode in ("swap", "auto") and self.num_cpu_blocks == 0:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs num_cpu_blocks > 0 (swap space)")
+        if self.aging_period <= 0:
+            raise ValueError(f"aging_period must be > 0 seconds, got {self.aging_period}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could never run"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must cover at least one decode")
+        if self.priority_preemption_threshold is not None and self.policy != "priority":
+            raise ValueError("priority_preemption_threshold needs policy='priority'")
+        if self.priority_preemption_threshold is not None and self.priority_preemption_threshold < 1:
+            raise ValueError(f"priority_preemption_threshold must be >= 1, got {self.priority_preemption_threshold}")
+        for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def effective_victim_policy(self) -> VictimPolicy:
+        if self.victim_policy is not None:
+            return self.victim_policy
+        return "priority" if self.policy == "priority" else "newest"
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,120 @@
+"""`Request`: one sequence's state as the scheduler sees it.
+
+Token accounting (the one invariant of chunked prefill and overlap)::
+
+    all_token_ids:  [ prompt ........ | outputs ...... ]        known to the scheduler
+                    0                 P                 num_tokens
+    in flight:                                          + num_placeholders (sampled by
+                                                          plans not yet answered)
+    num_computed_tokens: KV written (or planned) for positions [0, num_computed_tokens)
+
+A request needs `num_tokens + num_placeholders - num_computed_tokens` more tokens computed;
+it samples a new token in the step whose chunk reaches that end. No prefill/decode flag.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every finished state compares greater than every live one."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    PREEMPTED = 3  # recompute-preempted: back in the waiting queue, KV dropped
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASON: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (scheduler clock) and counters for one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence being served. Mutated only by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_placeholders: int = 0  # tokens sampled by in-flight plans, not yet received
+    stop_token_id: int | None = None  # the token that stopped it, when one did
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full known blocks
+    admit_seq: int = -1  # order of (re)admission to the running set; larger = newer
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt must contain at least one token")
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens still to compute before the next sample (1 for a plain decode)."""
+        return self.num_tokens + self.num_placeholders - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASON.get(self.status)

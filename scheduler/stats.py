@@ -1,0 +1,27 @@
+"""`SchedulerStats`: a snapshot the engine turns into metrics and the simulator into reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # fraction of device blocks held by live requests
+    num_free_blocks: int
+    num_gpu_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of those, tokens found cached (cumulative)
+    num_preemptions: int  # cumulative
+    num_swap_preemptions: int  # cumulative, subset of num_preemptions
+    # The last plan:
+    step_num_reqs: int = 0
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

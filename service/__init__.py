@@ -1,0 +1,1 @@
+"""stepserve service package."""

@@ -1,0 +1,39 @@
+"""`stepserve` command line: dispatches to `serve`, `bench` and `simulate`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: stepserve {serve,bench,simulate} [options]
+
+  serve      start the OpenAI-compatible server (default model: SmolLM2-135M-Instruct)
+  bench      Poisson load generator against an OpenAI-compatible server
+  simulate   virtual-clock simulator driving the real scheduler
+
+Run `stepserve COMMAND --help` for the options of each command."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        from service.server import main as serve_main
+
+        return serve_main(rest)
+    if command == "bench":
+        from loadgen.poisson import main as bench_main
+
+        return bench_main(rest)
+    if command == "simulate":
+        from loadgen.sim_cli import main as simulate_main
+
+        return simulate_main(rest)
+    print(f"stepserve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

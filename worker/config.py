@@ -1,0 +1,64 @@
+"""`WorkerConfig` (how to start a worker) and `WorkerInfo` (what it reports at start-up).
+
+Both cross the process boundary, so they are plain frozen dataclasses of builtins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AttentionBackendName = Literal["auto", "torch", "flash_attn"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the worker process needs to load a model and size its KV cache."""
+
+    model: str | None = None  # GGUF file or HF directory; None: the default SmolLM2 GGUF
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32/bfloat16/float16
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    max_num_batched_tokens: int = 2048  # size of the profiling forward on CUDA
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory on CUDA
+    swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
+    attention_backend: AttentionBackendName = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The start-up handshake: what the engine and scheduler need to know about the worker."""
+
+    model_name: str  # served model name (e.g. "SmolLM2-135M-Instruct")
+    model_path: str
+    architecture: str
+    device: str
+    dtype: str
+    attention_backend: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    kv_bytes_per_token: int
+    num_params: int
+    extra: dict[str, str] = field(default_factory=dict)
