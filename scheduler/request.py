@@ -98,9 +98,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_id(self, i: int) -> int:
+    def token_slice(self, lo: int, hi: int) -> tuple[int, ...]:
+        """Token ids at positions [lo, hi) without building the whole list."""
         p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+        if hi <= p:
+            return tuple(self.prompt_token_ids[lo:hi])
+        if lo >= p:
+            return tuple(self.output_token_ids[lo - p : hi - p])
+        return tuple(self.prompt_token_ids[lo:]) + tuple(self.output_token_ids[: hi - p])
 
     @property
     def num_tokens_to_compute(self) -> int:

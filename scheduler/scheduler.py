@@ -1,0 +1,364 @@
+"""`Scheduler`: continuous batching under a token budget and a paged-KV block budget.
+
+Each `schedule()` call plans one step, in two phases:
+
+1. Running requests, in admission order: a prefill chunk or one decode token each. When the
+   block pool cannot serve one, preempt a victim (the newest, or the least urgent under the
+   priority policy) and retry — possibly the request itself.
+2. Only if nothing was preempted: swapped requests come back, then waiting requests are
+   admitted head-of-line, counting prefix-cache hits as already computed.
+
+Plans are published before the previous plan's output is applied (two in flight): a request
+that will sample counts a *placeholder* token until `update_from_output` delivers it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_manager import KVCacheManager, cdiv
+from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.queues import FCFSQueue, PriorityQueue
+from scheduler.request import Request, RequestStatus
+from scheduler.stats import SchedulerStats
+from scheduler.step import StepBuilder
+
+
+class Scheduler:
+    """Implements `scheduler.interface.SchedulerInterface`."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config)
+        self.waiting: FCFSQueue | PriorityQueue = (
+            PriorityQueue(config.aging_period) if config.policy == "priority" else FCFSQueue()
+        )
+        self.running: list[Request] = []  # admission order: the newest is last
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every live request
+        self._known_to_worker: set[str] = set()
+        self._finished_ids: set[str] = set()  # since the last plan
+        self._aborted_ids: set[str] = set()
+        self._expect_sample: dict[int, list[str]] = {}  # step id -> ids that sample
+        self._step_ids = itertools.count()
+        self._admit_seq = itertools.count()
+        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
+
+    # ---- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        total = request.max_total_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        if cdiv(total, self.config.block_size) > self.config.num_gpu_blocks:
+            raise ValueError(
+                f"request {rid!r} needs {cdiv(total, self.config.block_size)} KV blocks, more than "
+                f"the {self.config.num_gpu_blocks} the cache has"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def abort(self, request_id: str, now: float | None = None) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, RequestStatus.FINISHED_ABORTED, self._now(now))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.swapped or len(self.waiting))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.pool.num_free
+
+    # ---- planning -----------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = self._now(now)
+        step = StepBuilder(next(self._step_ids), self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step, now)
+            self._schedule_waiting(step, now)
+        plan = step.build(self.kv.blocks, self._finished_ids, self._aborted_ids)
+        self.kv.end_step()
+        self._finished_ids, self._aborted_ids = set(), set()
+        self._apply(step, now)
+        return plan
+
+    def _chunk(self, n: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and n > threshold:
+            n = threshold
+        if n > budget:
+            return budget if self.config.enable_chunked_prefill else 0
+        return n
+
+    def _tokens_for(self, req: Request, budget: int) -> int:
+        """Tokens to compute for a request this step; 0 when it must not run now."""
+        pending = req.num_output_tokens + req.num_placeholders
+        if pending >= req.sampling_params.max_tokens:
+            return 0  # every token it may produce is already sampled or in flight
+        if req.num_tokens + req.num_placeholders >= self.config.max_model_len:
+            return 0
+        return self._chunk(req.num_tokens_to_compute, budget)
+
+    def _schedule_running(self, step: StepBuilder) -> None:
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            n = self._tokens_for(req, step.budget)
+            if n == 0:
+                i += 1
+                continue
+            while True:
+                new = self.kv.allocate_slots(req, n)
+                if new is not None:
+                    step.add(req, n, new)
+                    i += 1
+                    break
+                victim = self._pick_victim(self.running)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+
+    def _schedule_swapped(self, step: StepBuilder, now: float) -> None:
+        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = min(self.swapped, key=lambda r: self._urgency(r, now))
+            n = self._tokens_for(req, step.budget) if req.num_placeholders == 0 else 0
+            res = self.kv.swap_in(req, n) if n else None
+            if res is None:
+                return
+            pairs, table = res
+            self.swapped.remove(req)
+            step.swap_in.extend(pairs)
+            step.resumed.add(req.request_id)
+            self._admit(req, step)
+            step.add(req, n, table)
+
+    def _schedule_waiting(self, step: StepBuilder, now: float) -> None:
+        while len(self.waiting) and step.budget > 0:
+            req = self.waiting.peek(now)
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for_priority(req, step, now):
+                    continue
+                return
+            if req.num_placeholders or req.request_id in step.preempted:
+                return  # tokens still in flight, or just preempted: strict head-of-line
+            hits = self.kv.find_cached_prefix(req)
+            n = self._chunk(req.num_tokens - len(hits) * self.config.block_size, step.budget)
+            new = self.kv.allocate_slots(req, n, hits) if n else None
+            if new is None:
+                if n and self._preempt_for_priority(req, step, now):
+                    continue
+                return
+            self.waiting.pop(now)
+            hit_tokens = len(hits) * self.config.block_size
+            if self.kv.pool.enable_caching:
+                self.kv.record_lookup(req.num_tokens, hit_tokens)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_prompt_tokens = hit_tokens
+            req.num_computed_tokens = hit_tokens
+            rid = req.request_id
+            (step.resumed if rid in self._known_to_worker else step.new_reqs).add(rid)
+            self._admit(req, step)
+            step.add(req, n, new)
+            # Cache now, so that a sibling admitted later in this step shares these blocks:
+            # the worker writes every new KV entry of a layer before attending. Safe because
+            # a request admitted here is never unscheduled in the same step.
+            self.kv.cache_full_blocks(req, hit_tokens + n)
+
+    def _admit(self, req: Request, step: StepBuilder) -> None:
+        req.status = RequestStatus.RUNNING
+        req.admit_seq = next(self._admit_seq)
+        self.running.append(req)
+        step.admitted.add(req.request_id)
+
+    def _apply(self, step: StepBuilder, now: float) -> None:
+        """Advance the requests by what the frozen plan computes."""
+        sampling: list[str] = []
+        prefill = decode = 0
+        for rid, (req, n) in step.scheduled.items():
+            if n == 1 and req.num_output_tokens + req.num_placeholders > 0:
+                decode += 1
+            else:
+                prefill += n
+            if req.num_computed_tokens + n == req.num_tokens + req.num_placeholders:
+                req.num_placeholders += 1
+                sampling.append(rid)
+            req.num_computed_tokens += n
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self._known_to_worker.add(rid)
+            self.kv.cache_full_blocks(req)
+        self._expect_sample[step.step_id] = sampling
+        self._last_step = (len(step.scheduled), prefill, decode)
+
+    # ---- preemption ---------------------------------------------------------------------
+    def _urgency(self, req: Request, now: float) -> tuple[float, float]:
+        if isinstance(self.waiting, PriorityQueue):
+            return self.waiting.effective_priority(req, now), req.arrival_time
+        return 0, req.arrival_time
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.effective_victim_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
+        return max(candidates, key=lambda r: r.admit_seq)
+
+    def _preempt_for_priority(self, req: Request, step: StepBuilder, now: float) -> bool:
+        """Preempt the least urgent running request if `req` beats it by the threshold.
+        Both sides are compared by *effective* (aged) priority: comparing an aged waiting
+        request with a running one's base priority would let two requests evict each other
+        forever."""
+        threshold = self.config.priority_preemption_threshold
+        if threshold is None or not isinstance(self.waiting, PriorityQueue):
+            return False
+        candidates = [r for r in self.running if r.request_id not in step.admitted]
+        if not candidates:
+            return False
+        eff = self.waiting.effective_priority
+        victim = max(candidates, key=lambda r: (eff(r, now), r.arrival_time, r.admit_seq))
+        if eff(req, now) > eff(victim, now) - threshold:
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _swap_is_cheaper(self, req: Request) -> bool:
+        c, tokens = self.config, req.num_computed_tokens
+        swap = 2 * tokens * c.kv_bytes_per_token / c.swap_bandwidth  # out now, in later
+        recompute = tokens * c.flops_per_token / c.compute_rate
+        return swap < recompute
+
+    def _preempt(self, victim: Request, step: StepBuilder) -> None:
+        step.unschedule(victim)
+        self.running.remove(victim)
+        mode = self.config.preemption_mode
+        swap = mode == "swap" or (mode == "auto" and self._swap_is_cheaper(victim))
+        if swap and self.kv.can_swap_out(victim):
+            step.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(victim)
+        step.preempted.add(victim.request_id)
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+
+    # ---- outputs ------------------------------------------------------------------------
+    def update_from_output(
+        self, plan: SchedulerOutput, output: ModelRunnerOutput, now: float | None = None
+    ) -> list[RequestOutput]:
+        now = self._now(now)
+        outs: list[RequestOutput] = []
+        for rid in self._expect_sample.pop(plan.step_id, ()):
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # finished or aborted after this plan went out: discard
+            req.num_placeholders -= 1
+            token = output.sampled_token_ids.get(rid)
+            if token is None or output.error is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+                outs.append(self._request_output(req, None, output))
+                continue
+            req.output_token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+            elif req.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(req)
+            outs.append(self._request_output(req, token, output))
+        return outs
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        stops = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        if stops and req.num_output_tokens >= sp.min_tokens:
+            req.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _request_output(self, req: Request, token: int | None, out: ModelRunnerOutput) -> RequestOutput:
+        lp = out.logprobs.get(req.request_id) if token is not None else None
+        return RequestOutput(
+            req_id=req.request_id,
+            new_token_ids=(token,) if token is not None else (),
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_token_id=req.stop_token_id,
+            logprobs=(lp,) if lp is not None else (),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.metrics.num_cached_prompt_tokens,
+        )
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = status
+        req.metrics.finished_time = now
+        self.kv.free(req)
+        rid = req.request_id
+        del self.requests[rid]
+        if rid in self._known_to_worker:
+            self._known_to_worker.discard(rid)
+            ids = self._aborted_ids if status == RequestStatus.FINISHED_ABORTED else self._finished_ids
+            ids.add(rid)
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        reqs, prefill, decode = self._last_step
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.pool.num_free,
+            num_gpu_blocks=self.config.num_gpu_blocks,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_swap_preemptions=self.num_swap_preemptions,
+            step_num_reqs=reqs,
+            step_prefill_tokens=prefill,
+            step_decode_tokens=decode,
+        )
+
+    def check_integrity(self) -> None:
+        """free + held == total, ref counts == holders, queues hold exactly the live requests."""
+        live = set(self.requests)
+        self.kv.check_integrity(live)
+        queued = [*self.running, *self.swapped, *self.waiting]
+        assert len(queued) == len(live) == len({r.request_id for r in queued}), "queues out of sync"
+        for req in self.running:
+            held = len(self.kv.block_ids(req.request_id))
+            assert held >= cdiv(req.num_computed_tokens, self.config.block_size), f"{req.request_id} short of blocks"
+            assert req.status == RequestStatus.RUNNING
+        for req in self.waiting:
+            assert req.request_id not in self.kv.blocks, f"waiting {req.request_id} holds blocks"
+
+    @staticmethod
+    def _now(now: float | None) -> float:
+        return time.monotonic() if now is None else now

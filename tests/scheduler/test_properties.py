@@ -1,0 +1,128 @@
+"""Property tests over random workloads: budgets, KV accounting, liveness.
+
+After every step: the plan respects the token budget and max_num_seqs, blocks in use equal
+what live requests hold (ref counts match holders, nothing freed twice), and the mirror
+worker confirms every KV slot a request attends to holds that request's own prefix. At
+the end every request has finished or was aborted, and every block is free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sched_driver import EOS, MirrorWorker, make_request
+
+from scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.kv_manager import cdiv
+
+
+@dataclass
+class Spec:
+    prompt_len: int
+    max_tokens: int
+    arrival: int
+    priority: int
+    abort_at: int | None
+    shared: bool
+    ignore_eos: bool
+
+
+specs = st.builds(
+    Spec,
+    prompt_len=st.integers(1, 70),
+    max_tokens=st.integers(1, 30),
+    arrival=st.integers(0, 25),
+    priority=st.integers(0, 4),
+    abort_at=st.none() | st.integers(0, 60),
+    shared=st.booleans(),
+    ignore_eos=st.booleans(),
+)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
+    reqs = draw(st.lists(specs, min_size=1, max_size=14))
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    longest = max(r.prompt_len + r.max_tokens for r in reqs)
+    min_blocks = max(cdiv(r.prompt_len + r.max_tokens, block_size) for r in reqs)
+    chunked = draw(st.booleans())
+    mode = draw(st.sampled_from(["recompute", "swap", "auto"]))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    budget = draw(st.integers(4, 128))
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget if chunked else max(budget, longest),
+        max_num_seqs=draw(st.integers(1, 16)),
+        max_model_len=longest,
+        block_size=block_size,
+        num_gpu_blocks=min_blocks + draw(st.integers(0, 20)),
+        num_cpu_blocks=0 if mode == "recompute" else draw(st.integers(1, 40)),
+        policy=policy,
+        aging_period=draw(st.sampled_from([1.0, 5.0, 100.0])),
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 5, 17])) if chunked else 0,
+        preemption_mode=mode,
+        enable_prefix_caching=draw(st.booleans()),
+        priority_preemption_threshold=draw(st.sampled_from([None, 2])) if policy == "priority" else None,
+        swap_bandwidth=draw(st.sampled_from([1e6, 16e9, 1e15])),
+    )
+    return cfg, reqs, draw(st.booleans())
+
+
+def _check_plan(cfg: SchedulerConfig, plan: SchedulerOutput) -> None:
+    assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
+    assert len(plan.num_scheduled_tokens) <= cfg.max_num_seqs
+    assert all(n > 0 for n in plan.num_scheduled_tokens.values())
+    if not cfg.enable_chunked_prefill:
+        for new in plan.scheduled_new_reqs:
+            assert new.num_computed_tokens + plan.num_scheduled_tokens[new.req_id] == len(new.prompt_token_ids)
+
+
+@settings(max_examples=int(__import__("os").environ.get("STEPSERVE_HYPOTHESIS_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_keep_invariants_and_finish(scenario: tuple[SchedulerConfig, list[Spec], bool]) -> None:
+    cfg, specs_, overlap = scenario
+    s = Scheduler(cfg)
+    prefix = list(range(7000, 7000 + 70))
+    # EOS now and then for requests that do not ignore it
+    w = MirrorWorker(cfg.block_size, cfg.num_gpu_blocks, next_token=lambda rid, pos: EOS if pos % 23 == 0 else 900 + pos)
+    reqs = {}
+    for i, sp in enumerate(specs_):
+        prompt = prefix[: sp.prompt_len] if sp.shared else [3000 + i * 100 + j for j in range(sp.prompt_len)]
+        reqs[f"q{i}"] = make_request(
+            f"q{i}", 0, sp.max_tokens, arrival=float(sp.arrival), priority=sp.priority,
+            prompt=prompt, ignore_eos=sp.ignore_eos,
+        )
+    pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    last_arrival = max(sp.arrival for sp in specs_)
+    t = 0
+    while t <= last_arrival or s.has_unfinished_requests() or pending:
+        assert t < 1500, "livelock: workload did not finish"
+        for i, sp in enumerate(specs_):
+            if sp.arrival == t:
+                s.add_request(reqs[f"q{i}"])
+            if sp.abort_at == t:
+                s.abort(f"q{i}")
+        if t <= last_arrival or s.has_unfinished_requests():
+            plan = s.schedule(now=float(t))
+            _check_plan(cfg, plan)
+            pending.append((plan, w.execute(plan)))
+        if pending and (not overlap or len(pending) == 2 or not s.has_unfinished_requests()):
+            done, out = pending.pop(0)
+            for o in s.update_from_output(done, out, now=float(t)):
+                assert o.num_output_tokens <= reqs[o.req_id].sampling_params.max_tokens
+        s.check_integrity()
+        t += 1
+    assert s.num_free_blocks == cfg.num_gpu_blocks
+    assert len(s.kv.host_free) == cfg.num_cpu_blocks
+    for i, sp in enumerate(specs_):
+        r = reqs[f"q{i}"]
+        assert r.is_finished
+        if r.finish_reason == "length":
+            assert r.num_output_tokens == sp.max_tokens
+        elif r.finish_reason == "stop":
+            assert r.output_token_ids[-1] == EOS and not sp.ignore_eos
+        else:
+            assert sp.abort_at is not None
