@@ -95,6 +95,8 @@ class KVCacheManager:
         held = self.blocks.setdefault(request.request_id, [])
         num_total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = cdiv(num_total, self.block_size) - len(held) - len(hits)
+        if need <= 0 and not hits:
+            return []  # the common decode: the last block still has room
         # Hits sitting in the free queue stop being allocatable once touched.
         if max(need, 0) + self.pool.num_free_among(hits) > self.pool.num_free:
             if not held:

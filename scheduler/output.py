@@ -81,9 +81,10 @@ class ModelRunnerOutput:
     error: str | None = None  # the step failed; the traceback is in the worker's log
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """Per-request result of applying one `ModelRunnerOutput`."""
+    """Per-request result of applying one `ModelRunnerOutput` (one per request per step, so
+    a slotted, non-frozen dataclass: frozen ones are ~2x slower to build)."""
 
     req_id: str
     new_token_ids: tuple[int, ...]

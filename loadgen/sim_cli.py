@@ -1,0 +1,180 @@
+"""`stepserve simulate`: the virtual-clock simulator's command line.
+
+    stepserve simulate [run flags]                  one run (--strategy continuous|static|padding|all)
+    stepserve simulate compare [run flags]          the three strategies side by side
+    stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len
+    stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
+    stepserve simulate calibrate --from bench_output.json [--out profile.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadgen.calibrate import calibrate_bench
+from loadgen.cost_model import get_hardware
+from loadgen.report import format_table
+from loadgen.roofline import format_roofline, roofline
+from loadgen.sim_plots import plot_sweep, plot_timeline
+from loadgen.sim_result import SimResult
+from loadgen.sim_setup import (
+    STRATEGIES,
+    add_cost_args,
+    add_run_args,
+    build_workload,
+    cost_model_from_args,
+    goodput_of,
+    run_config,
+    run_strategy,
+)
+from loadgen.sweep import PRESETS, format_rows, sweep
+
+COMPARE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+                "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "num_preemptions", "unfinished",
+                "mean_kv_cache_usage", "num_steps")
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str)
+
+
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    return parser
+
+
+def format_compare(summaries: dict[str, dict[str, Any]]) -> str:
+    """One column per strategy, one row per summary key."""
+    names = list(summaries)
+    lines = [f"{'':<22}" + "".join(f"{n:>14}" for n in names)]
+    for key in COMPARE_KEYS:
+        cells = [summaries[n].get(key) for n in names]
+        lines.append(f"{key:<22}" + "".join(
+            f"{c:>14.3f}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
+    return "\n".join(lines)
+
+
+def _write_result(path: str, args: argparse.Namespace, results: list[SimResult],
+                  summaries: dict[str, dict[str, Any]]) -> None:
+    data = {"config": run_config(args), "summaries": summaries,
+            "unfinished": {r.strategy: r.unfinished for r in results},
+            "records": {r.strategy: [_record(x) for x in r.records] for r in results}}
+    Path(path).write_text(_dump(data))
+
+
+def _record(rec: Any) -> dict[str, Any]:
+    return {"request_id": rec.request_id, "success": rec.success, "error": rec.error,
+            "prompt_tokens": rec.prompt_tokens, "output_tokens": rec.output_tokens,
+            "arrival_time": rec.arrival_time, "ttft": rec.ttft, "e2el": rec.e2el, "itls": rec.itls}
+
+
+def cmd_run(argv: list[str], compare: bool = False) -> int:
+    args = _run_parser("stepserve simulate").parse_args(argv)
+    strategies = list(STRATEGIES) if compare or args.strategy == "all" else [args.strategy]
+    workload = build_workload(args)
+    goodput = goodput_of(args)
+    results = [run_strategy(args, s, workload, timeline=bool(args.timeline)) for s in strategies]
+    summaries = {r.strategy: r.summary(goodput) for r in results}
+    if args.timeline:
+        for r in results:
+            path = args.timeline if len(results) == 1 else _suffixed(args.timeline, r.strategy)
+            plot_timeline(r.timeline, path, f"{r.strategy}: {args.model_shape} on {args.hardware}")
+    if args.result_json:
+        _write_result(args.result_json, args, results, summaries)
+    if args.json:
+        print(_dump(summaries[strategies[0]] if len(results) == 1 else summaries))
+    elif len(results) == 1:
+        print(format_table(summaries[strategies[0]]))
+        s = summaries[strategies[0]]
+        print(f"preemptions: {s['num_preemptions']}, unfinished: {s['unfinished']}, "
+              f"mean KV usage: {s['mean_kv_cache_usage']:.1%}, steps: {s['num_steps']}")
+    else:
+        print(format_compare(summaries))
+    return 0 if all(not r.unfinished for r in results) else 1
+
+
+def _suffixed(path: str, tag: str) -> str:
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{tag}{p.suffix or '.png'}"))
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    parser = _run_parser("stepserve simulate sweep")
+    parser.add_argument("--param", nargs=2, metavar=("NAME", "VALUES"), default=None,
+                        help="a SchedulerConfig field or workload parameter, and comma-separated values")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--plot", default=None, help="PNG file of the curves")
+    pre, _ = parser.parse_known_args(argv)
+    preset = PRESETS.get(pre.preset) if pre.preset else None
+    if preset is not None:
+        parser.set_defaults(**preset.defaults)
+    args = parser.parse_args(argv)
+    if args.param is None and preset is None:
+        parser.error("give --param NAME V1,V2,... or --preset")
+    name, values = (args.param[0], args.param[1].split(",")) if args.param else (preset.param, list(preset.values))  # type: ignore[union-attr]
+    rows = sweep(args, name, values)
+    if args.plot:
+        plot_sweep(rows, name, args.plot, f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}")
+    print(_dump(rows) if args.json else format_rows(rows, name))
+    if args.result_json:
+        Path(args.result_json).write_text(_dump({"config": run_config(args), "param": name, "rows": rows}))
+    return 0
+
+
+def cmd_roofline(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stepserve simulate roofline")
+    add_cost_args(parser)
+    parser.add_argument("--context", default="1024,4096", help="decode contexts T, comma-separated")
+    parser.add_argument("--prefill", default="512,4096", help="prefill lengths N, comma-separated")
+    parser.add_argument("--preempt", default="4000:100", help="PROMPT:GENERATED of a preempted request")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    args.block_size = 16
+    cm = cost_model_from_args(args)
+    prompt, _, generated = args.preempt.partition(":")
+    table = roofline(cm, [int(x) for x in args.context.split(",")],
+                     [int(x) for x in args.prefill.split(",")], (int(prompt), int(generated or 0)))
+    print(_dump(table) if args.json else format_roofline(table))
+    return 0
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stepserve simulate calibrate")
+    parser.add_argument("--from", dest="source", required=True, help="bench/worker_step.py JSON output")
+    parser.add_argument("--model-shape", default=None, help="default: from the bench's model name")
+    parser.add_argument("--dtype", default=None, help="which of the bench's results; default: the first")
+    parser.add_argument("--base", default="cpu", help="profile whose host link (and unmeasured roofs) to keep")
+    parser.add_argument("--name", default=None, help="the fitted profile's name")
+    parser.add_argument("--out", default=None, help="write the fitted profile JSON here")
+    args = parser.parse_args(argv)
+    data = json.loads(Path(args.source).read_text())
+    fit, shape = calibrate_bench(data, get_hardware(args.base), args.model_shape, args.dtype, args.name)
+    out = {"profile": fit.profile.to_dict(), "model_shape": shape.name, "dtype_bytes": shape.dtype_bytes,
+           "rel_rmse": fit.rel_rmse, "num_samples": fit.num_samples,
+           "num_compute_bound": fit.num_compute_bound}
+    if args.out:
+        Path(args.out).write_text(_dump(out))
+    print(_dump(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `stepserve simulate`; returns the exit status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    commands = {"sweep": cmd_sweep, "roofline": cmd_roofline, "calibrate": cmd_calibrate,
+                "compare": lambda rest: cmd_run(rest, compare=True), "run": cmd_run}
+    try:
+        if args and args[0] in commands:
+            return commands[args[0]](args[1:])
+        return cmd_run(args)
+    except ValueError as exc:
+        print(f"stepserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,152 @@
+"""Flags of `stepserve simulate` and the one place they become a workload, a
+`SchedulerConfig`, a `CostModel` and a run of the chosen batching strategy.
+
+Scheduler flags use the `vllm serve` names. `--max-model-len` defaults to the longest
+prompt + output of the workload; the `auto` preemption mode's cost constants come from the
+cost model, so the scheduler and the simulator price a swap the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from loadgen.cost_model import (
+    HARDWARE_PROFILES,
+    MODEL_SHAPES,
+    CostModel,
+    get_hardware,
+    get_model_shape,
+)
+from loadgen.report import parse_goodput
+from loadgen.sim_result import SimResult
+from loadgen.simulator import SimLimits, Simulator
+from loadgen.strategies import FixedBatchConfig, simulate_padding, simulate_static
+from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
+from scheduler.config import SchedulerConfig
+
+STRATEGIES = ("continuous", "static", "padding")
+
+
+def add_cost_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cost model")
+    g.add_argument("--model-shape", default="llama-3.1-8b",
+                   help=f"{', '.join(MODEL_SHAPES)} or a path to a HF config.json")
+    g.add_argument("--hardware", default="a100-80g",
+                   help=f"{', '.join(HARDWARE_PROFILES)} (a100 works too) or a calibrated profile JSON")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: float32 on the cpu profile, else the shape's own (bfloat16)")
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    d = SchedulerConfig()
+    g = parser.add_argument_group("scheduler (vllm serve names)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt+output")
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    g.add_argument("--num-cpu-blocks", type=int, default=None,
+                   help="host swap blocks; default 0, or --num-gpu-blocks under swap/auto preemption")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
+    g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=d.preemption_mode)
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d.policy)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching)
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """Everything a simulated run takes: workload, scheduler, cost model, strategy, output."""
+    add_workload_args(parser)
+    add_scheduler_args(parser)
+    add_cost_args(parser)
+    g = parser.add_argument_group("strategy and limits")
+    g.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="continuous")
+    g.add_argument("--batch-size", type=int, default=32, help="static/padding: requests per batch")
+    g.add_argument("--batch-timeout", type=float, default=1.0,
+                   help="static: seconds the oldest request waits for a full batch")
+    g.add_argument("--max-steps", type=int, default=None)
+    g.add_argument("--max-time", type=float, default=None, help="virtual seconds")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the summary as JSON, not tables")
+    o.add_argument("--result-json", default=None, help="write config, summary and records here")
+    o.add_argument("--timeline", default=None, help="PNG of the run's per-step timeline")
+    o.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
+
+
+def cost_model_from_args(args: argparse.Namespace) -> CostModel:
+    shape, hardware = get_model_shape(args.model_shape), get_hardware(args.hardware)
+    dtype = args.dtype
+    if dtype == "auto" and hardware.name.startswith("cpu"):
+        dtype = "float32"
+    if dtype != "auto":
+        shape = shape.with_dtype(dtype)
+    return CostModel(shape, hardware, args.block_size)
+
+
+def scheduler_config_from_args(args: argparse.Namespace, workload: list[WorkloadRequest],
+                               cm: CostModel) -> SchedulerConfig:
+    longest = max((w.prompt_len + w.output_len for w in workload), default=1)
+    cpu_blocks = args.num_cpu_blocks
+    if cpu_blocks is None:
+        cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
+    config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or longest,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        policy=args.scheduling_policy,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_bytes_per_token=cm.shape.kv_bytes_per_token,
+        flops_per_token=float(cm.shape.dense_flops_per_token),
+        swap_bandwidth=cm.hardware.host_bandwidth,
+        compute_rate=cm.hardware.peak_flops,
+    )
+    overrides = getattr(args, "config_overrides", None)  # fields without a flag (set by sweeps)
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def fixed_batch_config(args: argparse.Namespace) -> FixedBatchConfig:
+    """Static/padding batches get the same KV memory the paged cache has."""
+    return FixedBatchConfig(batch_size=args.batch_size, timeout=args.batch_timeout,
+                            kv_capacity_tokens=args.num_gpu_blocks * args.block_size,
+                            block_size=args.block_size)
+
+
+def run_strategy(args: argparse.Namespace, strategy: str, workload: list[WorkloadRequest],
+                 timeline: bool = False) -> SimResult:
+    """One simulated run of `strategy` on `workload` with the flags in `args`."""
+    cm = cost_model_from_args(args)
+    if strategy == "continuous":
+        config = scheduler_config_from_args(args, workload, cm)
+        limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
+        return Simulator(config, cm, limits, record_timeline=timeline).run(workload)
+    run = simulate_static if strategy == "static" else simulate_padding
+    return run(workload, cm, fixed_batch_config(args), record_timeline=timeline)
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags worth recording next to a result."""
+    keep = ("num_prompts", "request_rate", "burstiness", "seed", "dataset", "model_shape", "hardware",
+            "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+            "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "preemption_mode",
+            "scheduling_policy", "enable_prefix_caching", "batch_size", "batch_timeout")
+    cfg = {k: getattr(args, k) for k in keep if hasattr(args, k)}
+    cfg.update(prompt_len=str(args.prompt_len), output_len=str(args.output_len))
+    return cfg
+
+
+def build_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    return workload_from_args(args)
+
+
+def goodput_of(args: argparse.Namespace) -> dict[str, float] | None:
+    return parse_goodput(args.goodput) or None
