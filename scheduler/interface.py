@@ -30,5 +30,8 @@ class SchedulerInterface(Protocol):
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or swapped."""
 
+    def needs_plan(self) -> bool:
+        """True while requests are unfinished or finished/aborted ids await publication."""
+
     def stats(self) -> SchedulerStats:
         """A snapshot of queue sizes, KV usage, prefix-cache and preemption counters."""

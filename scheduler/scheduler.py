@@ -77,6 +77,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.swapped or len(self.waiting))
 
+    def needs_plan(self) -> bool:
+        """True while a plan has something to do: requests to run, or finished/aborted ids
+        the worker has not been told about yet (so that it can drop their state)."""
+        return self.has_unfinished_requests() or bool(self._finished_ids or self._aborted_ids)
+
     @property
     def num_free_blocks(self) -> int:
         return self.kv.pool.num_free

@@ -63,8 +63,9 @@ EXPECTED: list[tuple[dict[str, int], set[str], int]] = [
     ({"R4": 1, "R5": 3}, set(), 2),
     *[({"R4": 1, "R5": 1}, set(), 2)] * 6,  # steps 36-41: R5 decodes to 8 outputs
 ]
-# Then R4 decodes alone, one token a step, until its 64th output (steps 42-82).
-TOTAL_STEPS = 83
+# Then R4 decodes alone, one token a step, until its 64th output (steps 42-82); a last,
+# empty plan (step 83) only tells the worker that R4 finished.
+TOTAL_STEPS = 84
 
 
 def _example_scheduler() -> Scheduler:
@@ -88,7 +89,8 @@ def test_budget_8_six_blocks_every_step() -> None:
     )
     for i, want in enumerate(EXPECTED):
         assert seen[i] == want, f"step {i}: got {seen[i]}, want {want}"
-    assert all(s[0] == {"R4": 1} and not s[1] for s in seen[len(EXPECTED) :])
+    assert all(s[0] == {"R4": 1} and not s[1] for s in seen[len(EXPECTED) : -1])
+    assert seen[-1] == ({}, set(), 6)
     assert len(seen) == TOTAL_STEPS
     assert sched.num_preemptions == 4
     assert [reqs[r].num_output_tokens for r in ("R1", "R2", "R3", "R4", "R5")] == [32, 8, 16, 64, 8]

@@ -138,9 +138,9 @@ def drive(
     engine loop does (two plans in flight)."""
     steps = 0
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
-    while sched.has_unfinished_requests() or pending:
+    while sched.needs_plan() or pending:
         assert steps < max_steps, "did not finish (livelock?)"
-        if sched.has_unfinished_requests():
+        if sched.needs_plan():
             plan = sched.schedule(now=float(steps))
             if on_step:
                 on_step(steps, plan)
