@@ -207,7 +207,8 @@ class Scheduler:
                 req.metrics.first_scheduled_time = now
             self._known_to_worker.add(rid)
             self.kv.cache_full_blocks(req)
-        self._expect_sample[step.step_id] = sampling
+        if sampling:  # an empty plan may be dropped unsent; it must leave nothing behind
+            self._expect_sample[step.step_id] = sampling
         self._last_step = (len(step.scheduled), prefill, decode)
 
     # ---- preemption ---------------------------------------------------------------------
