@@ -72,11 +72,17 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full known blocks
     admit_seq: int = -1  # order of (re)admission to the running set; larger = newer
     metrics: RequestMetrics = field(init=False)
+    num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt must contain at least one token")
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def priority(self) -> int:
@@ -89,10 +95,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -110,12 +110,13 @@ class Scheduler:
 
     def _tokens_for(self, req: Request, budget: int) -> int:
         """Tokens to compute for a request this step; 0 when it must not run now."""
-        pending = req.num_output_tokens + req.num_placeholders
-        if pending >= req.sampling_params.max_tokens:
+        end = req.num_tokens + req.num_placeholders
+        if end - req.num_prompt_tokens >= req.sampling_params.max_tokens:
             return 0  # every token it may produce is already sampled or in flight
-        if req.num_tokens + req.num_placeholders >= self.config.max_model_len:
+        if end >= self.config.max_model_len:
             return 0
-        return self._chunk(req.num_tokens_to_compute, budget)
+        n = end - req.num_computed_tokens
+        return n if n == 1 else self._chunk(n, budget)
 
     def _schedule_running(self, step: StepBuilder) -> None:
         i = 0
@@ -281,7 +282,7 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ABORTED, now)
                 outs.append(self._request_output(req, None, output))
                 continue
-            req.output_token_ids.append(token)
+            req.append_output(token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             status = self._stop_status(req, token)
@@ -304,16 +305,17 @@ class Scheduler:
 
     def _request_output(self, req: Request, token: int | None, out: ModelRunnerOutput) -> RequestOutput:
         lp = out.logprobs.get(req.request_id) if token is not None else None
+        finished = req.status >= RequestStatus.FINISHED_STOPPED
         return RequestOutput(
-            req_id=req.request_id,
-            new_token_ids=(token,) if token is not None else (),
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            stop_token_id=req.stop_token_id,
-            logprobs=(lp,) if lp is not None else (),
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.metrics.num_cached_prompt_tokens,
+            req.request_id,
+            (token,) if token is not None else (),
+            finished,
+            req.finish_reason if finished else None,
+            req.stop_token_id,
+            (lp,) if lp is not None else (),
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.metrics.num_cached_prompt_tokens,
         )
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
