@@ -4,6 +4,7 @@ Order of operations, per row::
 
     raw logits ──▶ logprobs (log-softmax of the raw logits, when asked)
         │
+        ▼ min_tokens: EOS and stop token ids banned until a row has min_tokens outputs
         ▼ penalties: repetition (prompt + output tokens), frequency and presence (output)
         ├──▶ greedy rows (temperature 0 or top-k 1): argmax
         ▼ random rows: temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ exponential race
@@ -33,6 +34,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # per-request generator for seeded rows
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
+    eos_token_ids: tuple[int, ...] = ()  # the model's; banned with stop ids under min_tokens
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
         )
+        logits = apply_min_tokens(logits, meta)
         logits = apply_penalties(logits, meta)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         if len(greedy) == len(params):
@@ -134,6 +137,23 @@ class Sampler:
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
+
+
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Ban stop tokens (EOS unless ignore_eos, and stop_token_ids) on rows that have fewer
+    than min_tokens outputs, so the model cannot "stop" before it is allowed to (vLLM)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(meta.params):
+        if p.min_tokens and len(meta.output_token_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(meta.eos_token_ids))
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -189,3 +189,22 @@ def test_logprobs_come_from_the_raw_logits() -> None:
         top_vals, top_ids = expected[row].topk(n) if n else (torch.empty(0), torch.empty(0))
         assert [t for t, _ in lp.top] == top_ids.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top_vals.tolist(), abs=1e-5)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    from worker.sampler import Sampler, SamplingMetadata
+
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 10.0  # EOS is by far the most likely token
+    logits[:, 5] = 9.0  # then a stop token id
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, ignore_eos=True),
+    ]
+    meta = SamplingMetadata(params, [None] * 3, [[1]] * 3, [[7], [7, 7, 7], [7]], eos_token_ids=(2,))
+    out = Sampler(seed=0).sample(logits, meta)
+    # row 0: under min_tokens, EOS and 5 banned; row 1: reached, EOS wins;
+    # row 2: ignore_eos means EOS is no stop token, so it is not banned
+    assert out.token_ids[1] == 2 and out.token_ids[2] == 2
+    assert out.token_ids[0] not in (2, 5)
