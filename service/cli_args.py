@@ -1,0 +1,88 @@
+"""The flags of `stepserve serve`, named after `vllm serve` where the concept is the same.
+
+Defaults suit a laptop CPU: 1 GiB of KV cache, chunked prefill and prefix caching on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from service.state import DEFAULT_MAX_BODY_SIZE
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1 << 30, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def kv_cache_bytes(value: str) -> int:
+    """'1GiB', '512MiB', '2G' or a plain number of GiB -> bytes."""
+    match = _SIZE.match(value)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r} (examples: 1GiB, 512MiB, 0.5)")
+    unit = (match.group(2) or "").lower()[:1]
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {value!r}")
+    return size
+
+
+def _size_arg(value: str) -> str:
+    kv_cache_bytes(value)  # validate early; the string is kept for the help's sake
+    return value
+
+
+def _add_server(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all; default %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set STEPSERVE_API_KEY)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024, help="answer 429 with Retry-After past this many waiting requests (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before aborting them (default %(default)s)")
+    g.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_SIZE, help="largest request body in bytes; larger gets 413 (default %(default)s)")
+    g.add_argument("--enable-debug-endpoints", action="store_true", help="expose GET /debug/kv (KV block accounting), for tests")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default %(default)s)")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and device")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face Llama-family directory (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own name)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"], help="attention kernels (auto: flash-attn on CUDA when importable)")
+    g.add_argument("--seed", type=int, default=0, help="worker's base random seed (default %(default)s)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's choice)")
+    g.add_argument("--worker-runner", default="worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
+
+
+def _add_cache(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--kv-cache-memory", type=_size_arg, default="1GiB", help="KV cache size on CPU, e.g. 1GiB, 512MiB (default %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV on CUDA (default %(default)s)")
+    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out blocks (default %(default)s: swap off)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
+
+
+def _add_scheduler(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in the running batch (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, capped at 8192 and at the KV cache)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts across steps (default on)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap one prompt's chunk at this many tokens (0: only the budget caps it)")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"], help="what preemption does with the victim's KV (swap and auto need --swap-space)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="waiting-queue order; 'priority' uses each request's priority field")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `stepserve serve` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="stepserve serve",
+        description="OpenAI-compatible LLM server with continuous batching (default model: SmolLM2-135M-Instruct on the CPU).",
+    )
+    _add_server(p)
+    _add_model(p)
+    _add_cache(p)
+    _add_scheduler(p)
+    return p

@@ -1,0 +1,146 @@
+"""Incremental detokenization and stop-string handling for one output stream.
+
+`IncrementalDetokenizer` turns token ids into text deltas without ever emitting half a
+character: a multi-byte character (or a BPE piece) split across tokens decodes to U+FFFD
+until its last byte arrives, so text is only released once the decode of a small window
+of recent tokens ends cleanly. `finish()` reconciles with a decode of the whole output,
+so the concatenated deltas always equal ``decode(all_ids)``.
+
+`StopStringMatcher` trims stop strings from the text. A stop string may span tokens, so
+text that could be the start of one is held back until it is known not to be.
+
+::
+
+    ids:    [ ... emitted ... | prefix window | new ids ]
+                              ^prefix_offset  ^read_offset
+    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    """What the service needs from a tokenizer (a Hugging Face tokenizer fits)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool | None = ...
+    ) -> str: ...
+
+
+def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The one decode used for output text (special tokens skipped, spacing left alone).
+
+    A Hugging Face fast tokenizer is decoded through its Rust backend directly: the same
+    text as ``tokenizer.decode(..., clean_up_tokenization_spaces=False)`` at a quarter of
+    the cost, which matters when every stream decodes at every step.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return str(backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of output token ids."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted: list[str] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the text that is now certain (possibly empty)."""
+        self._ids.extend(token_ids)
+        if not token_ids:
+            return ""
+        prefix_text = decode(self._tokenizer, self._ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self._tokenizer, self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""  # an incomplete character (or a token that decodes to nothing yet)
+        if not new_text.startswith(prefix_text):
+            return ""  # the window re-merged across the boundary; wait for a clean cut
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._emitted.append(delta)
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text, so that all deltas together equal a decode of every id."""
+        full = decode(self._tokenizer, self._ids)
+        emitted = self.text
+        rest = full[len(emitted) :] if full.startswith(emitted) else ""
+        self._emitted.append(rest)
+        return rest
+
+
+class StopStringMatcher:
+    """Cuts the text at the first stop string, holding back possible stop-string prefixes."""
+
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._include = include_stop_str_in_output
+        self._held = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one did
+
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
+    def feed(self, delta: str) -> str:
+        """Return the part of held + delta that is safe to emit; sets `matched` on a stop."""
+        if self.matched is not None:
+            return ""
+        if not self._stops:
+            return delta
+        buf = self._held + delta
+        hit = self._first_match(buf)
+        if hit is not None:
+            pos, stop = hit
+            self.matched = stop
+            self._held = ""
+            return buf[: pos + len(stop)] if self._include else buf[:pos]
+        keep = self._partial_suffix_len(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """The generation ended without a stop string: release what was held back."""
+        held, self._held = self._held, ""
+        return held if self.matched is None else ""
+
+    def _first_match(self, buf: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            pos = buf.find(stop)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        return best
+
+    def _partial_suffix_len(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), longest, -1):
+                if buf.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

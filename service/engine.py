@@ -1,0 +1,312 @@
+"""`AsyncEngine`: the asyncio loop that drives the scheduler and the worker with overlap.
+
+Handlers call `submit()` (or `generate()`); the request only reaches the scheduler when
+the loop next runs, and so do aborts: the scheduler is touched by one task only.
+
+One loop iteration::
+
+    take new requests + aborts -> scheduler
+    while fewer than 2 plans in flight and there is work:
+        plan = schedule(); worker.submit(plan)        # plan N+1 leaves before output N
+    output = await worker.get_output()                 # answers the oldest plan
+    update_from_output(oldest plan, output) -> route each RequestOutput to its stream
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from scheduler.interface import SchedulerInterface
+from scheduler.output import ModelRunnerOutput, RequestOutput
+from scheduler.request import Request
+from scheduler.sampling import SamplingParams
+from scheduler.stats import SchedulerStats
+from service.detokenizer import Tokenizer
+from service.metrics import ServiceMetrics
+from service.stream import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestRejectedError,
+    RequestStream,
+    StreamDelta,
+)
+from service.worker_link import InFlightStep, WorkerClientLike
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 2
+_IDLE_POLL_S = 0.5  # how often an idle loop checks that the worker is still alive
+
+
+class AsyncEngine:
+    """Owns the scheduler and the worker client once started; routes outputs to streams."""
+
+    def __init__(
+        self,
+        scheduler: SchedulerInterface,
+        worker: WorkerClientLike,
+        tokenizer: Tokenizer,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        max_waiting_requests: int | None = None,
+        metrics: ServiceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.clock = clock
+        self.dead = asyncio.Event()  # set when the worker died or a step failed
+        self.error: str | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._new: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stats: SchedulerStats = scheduler.stats()
+        self._last_output_time = clock()
+
+    # -- handler side ----------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests with a live stream (submitted and not yet ended)."""
+        return len(self._streams)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler snapshot taken after the last step."""
+        return self._stats
+
+    def check_capacity(self, count: int) -> None:
+        """Raise `EngineOverloadedError` if `count` more requests would pass the waiting limit."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.error or "engine is not running")
+        limit = self.max_waiting_requests
+        if limit is not None and self._stats.num_waiting + len(self._new) + count > limit:
+            raise EngineOverloadedError(
+                f"too many waiting requests ({self._stats.num_waiting + len(self._new)}, limit {limit}); retry later"
+            )
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request for the loop and return its stream (iterate it; `close()` aborts)."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.error or "engine is not running")
+        if request_id in self._streams:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        now = self.clock() if arrival_time is None else arrival_time
+        stream = RequestStream(
+            request_id,
+            len(prompt_token_ids),
+            self.tokenizer,
+            stop=tuple(stop),
+            include_stop_str_in_output=include_stop_str_in_output,
+            arrival_time=now,
+            abort=self.abort,
+            metrics=self.metrics,
+        )
+        req = Request(request_id, list(prompt_token_ids), sampling_params, now, eos_token_ids=self.eos_token_ids)
+        self._streams[request_id] = stream
+        self._new.append(req)
+        self._idle.clear()
+        self._wakeup.set()
+        return stream
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> AsyncIterator[StreamDelta]:
+        """Submit and yield the request's deltas; leaving early aborts it."""
+        stream = self.submit(
+            prompt_token_ids, sampling_params, request_id, stop=stop, include_stop_str_in_output=include_stop_str_in_output
+        )
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed by the loop's next iteration."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        # Ends the stream for a consumer still reading (drain timeout); harmless otherwise.
+        stream.put(RequestOutput(request_id, (), finished=True, finish_reason="abort"), self.clock())
+        self._aborts.append(request_id)
+        self._wakeup.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop task (on the running event loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="stepserve-engine-loop")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every request to end; abort the rest. True if all ended."""
+        if not self._streams:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wait_all_done()
+        leftover = list(self._streams)
+        for request_id in leftover:
+            self.abort(request_id)
+        return not leftover
+
+    async def shutdown(self) -> None:
+        """Stop the loop, fail any live stream, stop the worker."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all(EngineDeadError("server is shutting down"))
+        await self.worker.shutdown()
+
+    async def _wait_all_done(self) -> None:
+        while self._streams:
+            self._idle.clear()
+            await self._idle.wait()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        in_flight: deque[InFlightStep] = deque()
+        try:
+            while True:
+                self._apply_inbox()
+                self._fill_pipeline(in_flight)
+                if not in_flight:
+                    await self._wait_for_work()
+                    continue
+                step = in_flight.popleft()
+                output = await self.worker.get_output()
+                self._apply_output(step, output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the worker died or a step failed: nothing can continue
+            log.exception("engine loop stopped")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.dead.set()
+            self._fail_all(EngineDeadError(f"the engine failed: {self.error}"))
+
+    def _apply_inbox(self) -> None:
+        changed = False
+        while self._new:
+            req = self._new.popleft()
+            if req.request_id not in self._streams:
+                continue  # aborted before it reached the scheduler
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as exc:
+                stream = self._streams.pop(req.request_id)
+                stream.fail(RequestRejectedError(str(exc)))
+            changed = True
+        while self._aborts:
+            self.scheduler.abort(self._aborts.popleft())
+            changed = True
+        if changed:
+            self._stats = self.scheduler.stats()  # admission control reads num_waiting
+
+    def _fill_pipeline(self, in_flight: deque[InFlightStep]) -> None:
+        while len(in_flight) < MAX_IN_FLIGHT:
+            plan = self.scheduler.schedule(self.clock())
+            if plan.is_empty and not (plan.finished_req_ids or plan.aborted_req_ids or plan.swap_out):
+                return
+            now = self.clock()
+            self.worker.submit(plan)
+            stats = self.scheduler.stats()  # its step_* fields describe this plan
+            in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
+            for new in plan.scheduled_new_reqs:
+                stream = self._streams.get(new.req_id)
+                if stream is not None and stream.first_scheduled_time is None:
+                    stream.first_scheduled_time = now
+            if plan.is_empty:
+                return  # only frees to deliver; no point planning past it
+
+    def _apply_output(self, step: InFlightStep, output: ModelRunnerOutput) -> None:
+        now = self.clock()
+        if output.error is not None:
+            # The scheduler aborts the requests of a failed step; the engine carries on.
+            log.error("worker step %d failed: %s", output.step_id, output.error)
+        outputs = self.scheduler.update_from_output(step.plan, output, now)
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:
+                continue  # aborted: its late token is dropped
+            if out.finished:
+                del self._streams[out.req_id]
+            if output.error is not None and out.finish_reason == "abort":
+                stream.record_finish("abort", now)
+                stream.fail(RequestFailedError(f"the model step failed: {output.error}"))
+            else:
+                stream.put(out, now)
+        self._stats = self.scheduler.stats()
+        if self.metrics is not None:
+            self.metrics.observe_stats(self._stats)
+            if not step.plan.is_empty:
+                duration = now - max(step.submitted, self._last_output_time)
+                self.metrics.observe_step(step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration)
+        self._last_output_time = now
+        if not self._streams:
+            self._idle.set()
+
+    async def _wait_for_work(self) -> None:
+        """Nothing in flight: sleep until a request or abort arrives, checking the worker."""
+        self._stats = self.scheduler.stats()
+        if self.metrics is not None:
+            self.metrics.observe_stats(self._stats)
+        if not self._streams:
+            self._idle.set()
+            self._check_integrity()
+        timeout = _IDLE_POLL_S if not self.scheduler.has_unfinished_requests() else 0.005
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+        # lands as the event fires, and the loop would never stop.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
+        self._wakeup.clear()
+        if not self.worker.is_alive:
+            raise EngineDeadError("the worker process died while the engine was idle")
+
+    def _check_integrity(self) -> None:
+        """When idle, let the scheduler verify its KV accounting (a bug is logged, not fatal)."""
+        check = getattr(self.scheduler, "check_integrity", None)
+        if check is None or self.scheduler.has_unfinished_requests():
+            return
+        try:
+            check()
+        except AssertionError:
+            log.exception("scheduler integrity check failed while idle")
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+        self._idle.set()
+

@@ -1,0 +1,211 @@
+"""POST /v1/completions and /v1/chat/completions: validate, tokenize, submit, respond.
+
+Each choice (prompt x n) is one engine request with id ``{response id}-{index}``; siblings
+share the prompt, so the scheduler's prefix cache lets them share its KV blocks.
+Tokenization and chat templates run in a thread pool, so a huge prompt never stalls the
+event loop (and with it every other stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel
+
+from scheduler.sampling import SamplingParams
+from service import responses as R
+from service.errors import APIError, bad_request, error_body
+from service.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
+from service.sse import DONE, event, merge, open_event_stream
+from service.state import STATE, LoadedEngine, ServiceState
+from service.stream import EngineDeadError, EngineError, EngineOverloadedError, RequestStream
+from worker.tokenizer import apply_chat_template
+
+MAX_CHOICES = 256  # prompts x n in one request
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    state, loaded = _ready(request)
+    req = CompletionRequest.model_validate(await _read_json(request))
+    req.check()
+    _check_model(req.model, loaded)
+    prompts = [await _prompt_ids(state, loaded, p) for p in req.prompts()]
+    return await _serve(request, state, loaded, req, prompts, R.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=False))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    state, loaded = _ready(request)
+    req = ChatCompletionRequest.model_validate(await _read_json(request))
+    req.check()
+    _check_model(req.model, loaded)
+    tokenizer = loaded.engine.tokenizer
+    try:
+        ids = await _in_executor(state, apply_chat_template, tokenizer, req.chat_messages(), True)
+    except Exception as exc:  # the template (jinja) rejects these messages, e.g. an odd role order
+        raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None
+    return await _serve(request, state, loaded, req, [ids], R.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=True))
+
+
+def _ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
+    state = request.app[STATE]
+    return state, state.require_ready()
+
+
+async def _read_json(request: web.Request) -> Any:
+    body = await request.read()  # raises 413 past client_max_size
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    return data
+
+
+def _check_model(model: str | None, loaded: LoadedEngine) -> None:
+    if model is not None and model != loaded.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{loaded.model_name}`.", param="model", code="model_not_found")
+
+
+async def _in_executor(state: ServiceState, fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(state.executor, fn, *args)
+
+
+async def _prompt_ids(state: ServiceState, loaded: LoadedEngine, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        ids: list[int] = list(await _in_executor(state, loaded.engine.tokenizer.encode, prompt))
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < loaded.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token ids must be in [0, {loaded.vocab_size}); got {bad[:5]}", "prompt")
+    if not ids:
+        raise bad_request("prompt must contain at least one token", "prompt")
+    return ids
+
+
+def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_model_len: int) -> list[_Choice]:
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}", "n")
+    if req.n * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {req.n * len(prompts)}", "n")
+    out: list[_Choice] = []
+    for p, ids in enumerate(prompts):
+        params = req.sampling_params(resolve_max_tokens(req, len(ids), max_model_len))
+        for i in range(req.n):
+            seed = None if params.seed is None else params.seed + i  # siblings must differ
+            out.append(_Choice(p * req.n + i, ids, dataclasses.replace(params, n=1, seed=seed)))
+    return out
+
+
+async def _serve(
+    request: web.Request,
+    state: ServiceState,
+    loaded: LoadedEngine,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    meta: R.ResponseMeta,
+) -> web.StreamResponse:
+    choices = _choices(req, prompts, loaded.max_model_len)
+    engine = loaded.engine
+    try:
+        engine.check_capacity(len(choices))
+        streams = [
+            engine.submit(c.prompt_ids, c.params, f"{meta.id}-{c.index}", stop=req.stop_strings, include_stop_str_in_output=req.include_stop_str_in_output)
+            for c in choices
+        ]
+    except EngineOverloadedError as exc:
+        raise APIError(429, str(exc), headers={"Retry-After": "1"}) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    if req.stream:
+        return await _stream(request, engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+    return await _whole(engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+
+
+async def _whole(
+    tokenizer: Any, req: BaseModel, meta: R.ResponseMeta, streams: list[RequestStream], indices: list[int], prompt_tokens: int
+) -> web.Response:
+    results = [R.ChoiceResult(index=i) for i in indices]
+    cached = 0
+    try:
+        async for pos, delta in merge(streams):
+            res = results[pos]
+            res.text += delta.text
+            res.token_ids.extend(delta.token_ids)
+            res.logprobs.extend(delta.logprobs)
+            res.num_output_tokens = delta.num_output_tokens
+            if delta.finished:
+                res.finish_reason, res.stop_reason = delta.finish_reason, delta.stop_reason
+                cached += delta.num_cached_tokens
+    except EngineError as exc:
+        raise APIError(500, f"generation failed: {exc}") from None
+    usage = R.usage(prompt_tokens, sum(r.num_output_tokens for r in results), cached)
+    want_logprobs = req.num_logprobs() is not None  # type: ignore[attr-defined]
+    body = R.full_response(meta, results, usage, tokenizer, want_logprobs)
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request,
+    tokenizer: Any,
+    req: CompletionRequest | ChatCompletionRequest,
+    meta: R.ResponseMeta,
+    streams: list[RequestStream],
+    indices: list[int],
+    prompt_tokens: int,
+) -> web.StreamResponse:
+    response = await open_event_stream(request)
+    include_usage, want_logprobs = req.include_usage, req.num_logprobs() is not None
+    num_output = [0] * len(streams)
+    offsets = [0] * len(streams)
+    if meta.chat:
+        for index in indices:
+            await response.write(event(R.chunk(meta, R.chat_role_choice(index), None, include_usage)))
+    try:
+        async for pos, delta in merge(streams):
+            num_output[pos] = delta.num_output_tokens
+            logprobs = None
+            if want_logprobs:
+                if meta.chat:
+                    logprobs = R.chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
+                else:
+                    logprobs = R.completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[pos])
+            offsets[pos] += len(delta.text)
+            choice = R.stream_choice(meta, indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
+            await response.write(event(R.chunk(meta, choice, None, include_usage)))
+    except EngineError as exc:
+        await response.write(event(error_body(500, f"generation failed: {exc}")))
+    except ConnectionResetError:
+        return response  # the client left; closing its streams (in merge) aborted them
+    except Exception:
+        # Headers are out: the error can only travel as an event.
+        log.exception("stream %s failed", meta.id)
+        await response.write(event(error_body(500, "internal server error; see the server log")))
+    else:
+        if include_usage:
+            await response.write(event(R.chunk(meta, None, R.usage(prompt_tokens, sum(num_output)), True)))
+    await response.write(DONE)
+    await response.write_eof()
+    return response

@@ -1,0 +1,184 @@
+"""`stepserve serve`: flags (named as in `vllm serve`), building the engine, and the process
+lifetime: serve until SIGTERM/SIGINT, drain, stop the worker, exit 0 — or exit 1 when the
+worker dies or the engine cannot start, so a supervisor restarts the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from service.app import create_app
+from service.cli_args import build_parser, kv_cache_bytes
+from service.engine import AsyncEngine
+from service.metrics import ServiceMetrics
+from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState, Status
+from worker.config import WorkerConfig, WorkerInfo
+
+log = logging.getLogger("stepserve.server")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The worker's settings from the flags."""
+    a = vars(args)
+    return WorkerConfig(
+        model=a["model"],
+        dtype=a["dtype"],
+        device=a["device"],
+        block_size=a["block_size"],
+        max_model_len=a["max_model_len"],
+        max_num_batched_tokens=a["max_num_batched_tokens"],
+        kv_cache_memory=kv_cache_bytes(a["kv_cache_memory"]),
+        gpu_memory_utilization=a["gpu_memory_utilization"],
+        swap_space=a["swap_space"],
+        attention_backend=a["attention_backend"],
+        seed=a["seed"],
+        num_threads=a["num_threads"],
+    )
+
+
+def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerConfig:
+    """The one place the scheduler's config is built: flags plus the worker's handshake."""
+    a = vars(args)
+    pool_tokens = info.num_gpu_blocks * info.block_size
+    max_model_len = info.max_model_len
+    if pool_tokens < max_model_len:
+        log.warning("KV cache holds %d tokens; capping max_model_len %d to it", pool_tokens, max_model_len)
+        max_model_len = pool_tokens
+    config = SchedulerConfig(
+        max_num_batched_tokens=a["max_num_batched_tokens"],
+        max_num_seqs=a["max_num_seqs"],
+        max_model_len=max_model_len,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        policy=a["scheduling_policy"],
+        enable_chunked_prefill=a["enable_chunked_prefill"],
+        long_prefill_token_threshold=a["long_prefill_token_threshold"],
+        preemption_mode=a["preemption_mode"],
+        enable_prefix_caching=a["enable_prefix_caching"],
+        kv_bytes_per_token=info.kv_bytes_per_token,
+    )
+    return config
+
+
+def engine_factory(args: argparse.Namespace) -> EngineFactory:
+    """Start the worker and load the tokenizer (concurrently), then build the engine."""
+    from worker.client import WorkerClient
+    from worker.tokenizer import load_tokenizer
+
+    a = vars(args)
+
+    async def build() -> LoadedEngine:
+        worker = WorkerClient(worker_config(args), a["worker_runner"])
+        loop = asyncio.get_running_loop()
+        tokenizer_future = loop.run_in_executor(None, load_tokenizer, a["model"])
+        try:
+            info, tokenizer = await asyncio.gather(worker.start(), tokenizer_future)
+            sched_config = scheduler_config(args, info)
+        except BaseException:
+            await worker.shutdown()
+            raise
+        name = a["served_model_name"] or info.model_name
+        engine = AsyncEngine(
+            Scheduler(sched_config),
+            worker,
+            tokenizer,
+            eos_token_ids=info.eos_token_ids,
+            max_waiting_requests=a["max_waiting_requests"],
+            metrics=ServiceMetrics(name),
+        )
+        log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", info.model_name, info.device, info.dtype, info.num_gpu_blocks, info.block_size)
+        return LoadedEngine(engine, name, sched_config.max_model_len, info.vocab_size, info.model_path)
+
+    return build
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until a signal (exit 0 after draining) or a failure (exit 1)."""
+    a = vars(args)
+    config = AppConfig(
+        api_key=a["api_key"] or os.environ.get("STEPSERVE_API_KEY") or None,
+        max_body_size=a["max_body_size"],
+        enable_debug_endpoints=a["enable_debug_endpoints"],
+    )
+    app = create_app(config, engine_factory(args))
+    state = app[STATE]
+    # After the engine drained, aiohttp waits (up to the same timeout) for handlers to write
+    # their last events before it closes connections.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=a["shutdown_timeout"], access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, a["host"], a["port"]).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", a["host"], a["port"], exc)
+        await runner.cleanup()
+        return 1
+    log.info("listening on http://%s:%d (/health turns 200 once the model is loaded)", a["host"], a["port"])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(state.fatal.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in waiters:
+        task.cancel()
+    code = 1 if state.fatal.is_set() else 0
+    if code == 0:
+        await _drain(state, a["shutdown_timeout"])
+    else:
+        log.error("exiting: %s", state.error)
+    await runner.cleanup()
+    return code
+
+
+async def _drain(state: ServiceState, timeout: float) -> None:
+    state.status = Status.DRAINING
+    if state.loaded is None:
+        return
+    log.info("draining %d in-flight requests (up to %g s)", state.loaded.engine.num_unfinished, timeout)
+    if not await state.loaded.engine.drain(timeout):
+        log.warning("shutdown timeout: aborted the requests still running")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `stepserve serve`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        SchedulerConfig(**_static_scheduler_checks(args))
+    except ValueError as exc:
+        print(f"stepserve serve: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(args))
+    return 0
+
+
+def _static_scheduler_checks(args: argparse.Namespace) -> dict[str, object]:
+    """The flag combinations SchedulerConfig can reject before the model loads."""
+    a = vars(args)
+    return {
+        "num_cpu_blocks": 1 if a["swap_space"] > 0 else 0,
+        "max_num_batched_tokens": a["max_num_batched_tokens"],
+        "max_num_seqs": a["max_num_seqs"],
+        "max_model_len": a["max_model_len"] or 1,
+        "block_size": a["block_size"],
+        "policy": a["scheduling_policy"],
+        "enable_chunked_prefill": a["enable_chunked_prefill"],
+        "long_prefill_token_threshold": a["long_prefill_token_threshold"],
+        "preemption_mode": a["preemption_mode"],
+    }
+

@@ -1,0 +1,237 @@
+"""Shared helpers for the service tests: the default tokenizer (once per session), apps
+backed by `InstantRunner` workers behind aiohttp's test server, and live `stepserve serve`
+subprocesses on free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from service.app import create_app
+from service.engine import AsyncEngine
+from service.metrics import ServiceMetrics
+from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState
+from worker.config import WorkerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+INSTANT = "worker.instant_runner:InstantRunner"
+DEBUG_CONFIG = AppConfig(enable_debug_endpoints=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The default model's tokenizer (cached as an HF dir after the first GGUF parse)."""
+    from worker.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+@dataclass(frozen=True)
+class InstantSetup:
+    """How to build an InstantRunner-backed engine for an in-process app."""
+
+    kv_cache_memory: int = 64 << 20  # 91 blocks of 16 tokens (46080 B per token)
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    max_waiting_requests: int | None = None
+    enable_prefix_caching: bool = True
+
+
+def instant_factory(tokenizer: Any, setup: InstantSetup = InstantSetup()) -> EngineFactory:
+    """An engine factory whose worker is a real process running `InstantRunner`."""
+    from worker.client import WorkerClient
+
+    async def build() -> LoadedEngine:
+        worker = WorkerClient(WorkerConfig(kv_cache_memory=setup.kv_cache_memory, max_model_len=setup.max_model_len), INSTANT)
+        info = await worker.start()
+        config = SchedulerConfig(
+            max_num_seqs=setup.max_num_seqs,
+            max_model_len=info.max_model_len,
+            num_gpu_blocks=info.num_gpu_blocks,
+            block_size=info.block_size,
+            enable_prefix_caching=setup.enable_prefix_caching,
+        )
+        engine = AsyncEngine(
+            Scheduler(config),
+            worker,
+            tokenizer,
+            eos_token_ids=info.eos_token_ids,
+            max_waiting_requests=setup.max_waiting_requests,
+            metrics=ServiceMetrics(info.model_name),
+        )
+        return LoadedEngine(engine, info.model_name, info.max_model_len, info.vocab_size, info.model_path)
+
+    return build
+
+
+@asynccontextmanager
+async def instant_client(
+    tokenizer: Any, setup: InstantSetup = InstantSetup(), config: AppConfig = DEBUG_CONFIG
+) -> AsyncIterator[tuple[TestClient, ServiceState]]:
+    """A started app on aiohttp's test server, waited until its engine is ready."""
+    app = create_app(config, instant_factory(tokenizer, setup))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    state = app[STATE]
+    try:
+        await _wait_ready(state)
+        yield client, state
+    finally:
+        await client.close()
+
+
+async def _wait_ready(state: ServiceState, timeout: float = 60.0) -> None:
+    waiters = [asyncio.ensure_future(state.ready.wait()), asyncio.ensure_future(state.fatal.wait())]
+    await asyncio.wait_for(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), timeout)
+    for waiter in waiters:
+        waiter.cancel()
+    assert not state.fatal.is_set(), state.error
+
+
+ClientContext = AbstractAsyncContextManager[tuple[TestClient, ServiceState]]
+
+
+@pytest.fixture(scope="session")
+def make_client(tokenizer: Any) -> Callable[..., ClientContext]:
+    """`async with make_client(setup=InstantSetup(...), config=AppConfig(...)) as (client, state)`."""
+
+    def make(setup: InstantSetup = InstantSetup(), config: AppConfig = DEBUG_CONFIG) -> ClientContext:
+        return instant_client(tokenizer, setup, config)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def setup_cls() -> type[InstantSetup]:
+    """`InstantSetup`, for tests that need other engine limits."""
+    return InstantSetup
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tokenizer: Any) -> Callable[..., EngineFactory]:
+    """`engine_factory(setup)`: an InstantRunner engine factory for `create_app`."""
+
+    def make(setup: InstantSetup = InstantSetup()) -> EngineFactory:
+        return instant_factory(tokenizer, setup)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def settled_kv() -> Callable[[TestClient], Any]:
+    """`await settled_kv(client)`: /debug/kv once no stream is live and nothing is queued."""
+    return kv_free
+
+
+async def kv_free(client: TestClient) -> dict[str, Any]:
+    """/debug/kv once the engine has settled (no live stream, nothing scheduled)."""
+    for _ in range(200):
+        body = await (await client.get("/debug/kv")).json()
+        if body["num_unfinished_streams"] == 0 and body["num_running"] == 0 and body["num_waiting"] == 0:
+            return body
+        await asyncio.sleep(0.01)
+    return body
+
+
+# -- live servers -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    """A `stepserve serve` subprocess."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get_json(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def start_live_server(tmp: Path, *args: str, timeout: float = 240.0) -> LiveServer:
+    """Start `stepserve serve` on a free port and wait for /health 200."""
+    port = free_port()
+    log_path = tmp / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = LiveServer(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if server.get_json("/health")[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., LiveServer]]:
+    """`start_server(tmp_path, *flags)`; any server still running at the end is killed."""
+    started: list[LiveServer] = []
+
+    def start(tmp: Path, *args: str) -> LiveServer:
+        server = start_live_server(tmp, *args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The one default-model server of the session."""
+    server = start_live_server(tmp_path_factory.mktemp("live"), "--max-num-seqs", "64")
+    yield server
+    code = server.stop()
+    assert code == 0, server.log()

@@ -1,0 +1,168 @@
+"""The HTTP app over an InstantRunner-backed engine (a real worker process, no model):
+response shapes, streaming, n, stop strings, logprobs, usage, KV accounting."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
+
+from service.detokenizer import decode
+from service.state import ServiceState
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def app(make_client: Callable[..., Any]) -> AsyncIterator[tuple[TestClient, ServiceState]]:
+    async with make_client() as pair:
+        yield pair
+
+
+
+async def _sse(resp: Any) -> list[Any]:
+    """Parse an SSE body into JSON events (and the literal "[DONE]")."""
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["Cache-Control"] == "no-cache"
+    assert resp.headers["X-Accel-Buffering"] == "no"
+    events = []
+    for block in (await resp.text()).split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: ")
+            payload = block[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else orjson.loads(payload))
+    return events
+
+
+async def _complete(client: TestClient, **body: Any) -> dict[str, Any]:
+    resp = await client.post("/v1/completions", json={"model": "instant", "prompt": "Hello there", **body})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def test_completion_text_usage_and_ids(app: tuple[TestClient, ServiceState], tokenizer: Any, settled_kv: Any) -> None:
+    client, state = app
+    body = await _complete(client, max_tokens=9, ignore_eos=True)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    n_prompt = len(tokenizer.encode("Hello there"))
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 9, "total_tokens": n_prompt + 9}
+    assert choice["text"]  # instant tokens decode to real vocabulary
+    assert (await settled_kv(client))["kv_cache_usage"] == 0.0
+
+
+async def test_streaming_equals_non_streaming(app: tuple[TestClient, ServiceState]) -> None:
+    client, _ = app
+    whole = await _complete(client, max_tokens=20, ignore_eos=True)
+    resp = await client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 20, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    events = await _sse(resp)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_n_and_multiple_prompts(app: tuple[TestClient, ServiceState], tokenizer: Any) -> None:
+    client, _ = app
+    body = await _complete(client, prompt=["Hello there", "Bye"], n=2, max_tokens=4, ignore_eos=True, temperature=0)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in body["choices"]]
+    assert texts[0] == texts[1] != texts[2] == texts[3]  # instant tokens depend on the prompt only
+    n_prompt = len(tokenizer.encode("Hello there")) + len(tokenizer.encode("Bye"))
+    assert body["usage"]["prompt_tokens"] == n_prompt
+    assert body["usage"]["completion_tokens"] == 16
+
+
+async def test_stop_string_trims_and_reports_stop(app: tuple[TestClient, ServiceState], settled_kv: Any) -> None:
+    client, _ = app
+    full = (await _complete(client, max_tokens=24, ignore_eos=True))["choices"][0]["text"]
+    stop = full[10:14]
+    before = await _finished_counts(client)
+    cut = full[: full.index(stop)]
+    body = await _complete(client, max_tokens=24, ignore_eos=True, stop=[stop])
+    assert body["choices"][0]["text"] == cut
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == stop
+    assert body["usage"]["completion_tokens"] < 24
+    kept = await _complete(client, max_tokens=24, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert kept["choices"][0]["text"] == cut + stop
+    resp = await client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 24, "ignore_eos": True, "stop": [stop], "stream": True})
+    events = await _sse(resp)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut
+    assert (await settled_kv(client))["kv_cache_usage"] == 0.0
+    after = await _finished_counts(client)
+    assert after["stop"] - before["stop"] == 3 and after["abort"] == before["abort"]
+
+
+async def _finished_counts(client: TestClient) -> dict[str, float]:
+    """stepserve:request_success_total by finished_reason, from /metrics."""
+    counts = {}
+    for line in (await (await client.get("/metrics")).text()).splitlines():
+        if line.startswith("stepserve:request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+async def test_logprobs_shapes(app: tuple[TestClient, ServiceState]) -> None:
+    client, _ = app
+    body = await _complete(client, max_tokens=3, ignore_eos=True, logprobs=2)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 3
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
+    content = (await resp.json())["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert {"token", "logprob", "bytes", "top_logprobs"} <= set(content[0]) and len(content[0]["top_logprobs"]) == 2
+
+
+async def test_chat_stream_shape(app: tuple[TestClient, ServiceState]) -> None:
+    client, _ = app
+    req = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_completion_tokens": 5, "ignore_eos": True}
+    whole = await (await client.post("/v1/chat/completions", json=req)).json()
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["role"] == "assistant"
+    events = await _sse(await client.post("/v1/chat/completions", json={**req, "stream": True, "n": 2}))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert {c["choices"][0]["index"] for c in chunks[:2]} == {0, 1}
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in chunks[:2])
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[2:] if c["choices"][0]["index"] == index]
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == whole["choices"][0]["message"]["content"]
+        assert mine[-1]["finish_reason"] == "length"
+
+
+async def test_token_prompt_and_detokenized_text(app: tuple[TestClient, ServiceState], tokenizer: Any) -> None:
+    """The returned text is exactly the decode of the generated ids (InstantRunner's rule)."""
+    client, _ = app
+    prompt = [100, 200, 300]
+    body = await _complete(client, prompt=prompt, max_tokens=6, ignore_eos=True, logprobs=0)
+    ids, token = [], prompt[-1]
+    for position in range(len(prompt), len(prompt) + 6):
+        token = (token * 31 + position) % 32000
+        token = token + 1 if token == 2 else token
+        ids.append(token)
+    assert body["choices"][0]["text"] == decode(tokenizer, ids)
+
+
+async def test_models_version_metrics(app: tuple[TestClient, ServiceState]) -> None:
+    client, _ = app
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "instant" and models["data"][0]["max_model_len"] == 1024
+    assert (await client.get("/version")).status == 200
+    text = await (await client.get("/metrics")).text()
+    for name in ("stepserve:generation_tokens_total", "stepserve:time_to_first_token_seconds_bucket", "stepserve:kv_cache_usage_perc", 'finished_reason="stop"'):
+        assert name in text
+    assert (await client.get("/health")).status == 200
