@@ -1,0 +1,260 @@
+"""Worker step benchmark: decode and prefill throughput of `ModelRunner` next to this
+machine's measured matmul rate and memory bandwidth (the rooflines), printed as JSON.
+
+    python bench/worker_step.py                        # default SmolLM2 GGUF on this CPU
+    python bench/worker_step.py --dtype bfloat16 --compare-dtypes
+    python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
+
+Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
+2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
+params (no embedding, no head) * tokens / matmul rate; attention FLOPs are left out. The
+fractions are roofline time / measured time; the machine rates are measured in the same run,
+on square 1024 matmuls on CPU, so a model's larger matmuls can beat them (fraction > 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from scheduler.sampling import SamplingParams  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
+from worker.loader import expected_shapes  # noqa: E402
+from worker.model_config import ModelConfig  # noqa: E402
+from worker.model_runner import ModelRunner, resolve_device, resolve_dtype  # noqa: E402
+
+LLAMA_31_8B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=False, eos_token_ids=(128001,),
+)
+MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
+    """Median seconds of `fn` over `repeat` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def machine_rates(device: torch.device) -> dict[str, float]:
+    """Measured dense matmul FLOP/s (fp32, bf16) and copy bandwidth (bytes/s)."""
+    n = 4096 if device.type == "cuda" else 1024
+    rates: dict[str, float] = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        rates[f"matmul_flops_{name}"] = 2 * n**3 / timed(lambda a=a, b=b: a @ b, device, 5)
+    elems = (1 << 30 if device.type == "cuda" else 1 << 27) // 4
+    src = torch.ones(elems, device=device)
+    dst = torch.empty_like(src)
+    rates["copy_bandwidth_bytes"] = 2 * src.nbytes / timed(lambda: dst.copy_(src), device, 5)
+    return rates
+
+
+def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, shape in expected_shapes(config).items():
+        tensor = torch.empty(shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):
+            out[name] = tensor.fill_(1.0)
+        else:
+            out[name] = tensor.normal_(0.0, 0.02, generator=gen)
+    return out
+
+
+class Bench:
+    """Drives one runner with hand-built plans (the bench's own tiny scheduler)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.bs = runner.info.block_size
+        self.free = list(range(runner.info.num_gpu_blocks))
+        self.step_id = 0
+        self.live: dict[str, list[int]] = {}  # req id -> blocks
+        self.computed: dict[str, int] = {}
+
+    def plan(self, new: dict[str, list[int]], run: dict[str, int], finished: frozenset[str] = frozenset()) -> SchedulerOutput:
+        new_reqs, cached, counts = [], [], {}
+        for rid, prompt in new.items():
+            self.live[rid] = self._take(len(prompt))
+            self.computed[rid] = 0
+            new_reqs.append(NewRequestData(rid, tuple(prompt), GREEDY, tuple(self.live[rid]), 0))
+            counts[rid] = len(prompt)
+        for rid, n in run.items():
+            grow = self._take(self.computed[rid] + n - len(self.live[rid]) * self.bs)
+            self.live[rid] += grow
+            cached.append(CachedRequestData(rid, tuple(grow), self.computed[rid], False))
+            counts[rid] = n
+        for rid, n in counts.items():
+            self.computed[rid] += n
+        self.step_id += 1
+        return SchedulerOutput(self.step_id, tuple(new_reqs), tuple(cached), counts, sum(counts.values()),
+                               frozenset(), finished, frozenset())
+
+    def _take(self, tokens: int) -> list[int]:
+        need = max(0, -(-tokens // self.bs))
+        if need > len(self.free):
+            raise SystemExit(f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free)")
+        taken, self.free = self.free[:need], self.free[need:]
+        return taken
+
+    def finish_all(self) -> None:
+        done = frozenset(self.live)
+        for blocks in self.live.values():
+            self.free += blocks
+        self.live, self.computed = {}, {}
+        self.runner.execute(self.plan({}, {}, finished=done))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"r{seed}-{i}": torch.randint(10, vocab, (length,), generator=gen).tolist() for i in range(n)}
+
+
+def bench_decode(bench: Bench, batch: int, context: int, repeat: int) -> float:
+    """Median seconds of one decode step of `batch` requests at ~`context` tokens."""
+    reqs = prompts(batch, context, bench.runner.info.vocab_size, seed=batch)
+    ids = list(reqs)
+    for start in range(0, batch, max(1, 4096 // context)):  # prefill a few requests per step
+        chunk = {rid: reqs[rid] for rid in ids[start : start + max(1, 4096 // context)]}
+        bench.runner.execute(bench.plan(chunk, {}))
+    seconds = timed(lambda: bench.runner.execute(bench.plan({}, dict.fromkeys(ids, 1))), bench.runner.device, repeat)
+    bench.finish_all()
+    return seconds
+
+
+def bench_prefill(bench: Bench, tokens: int, repeat: int) -> float:
+    """Median seconds of one fresh prefill chunk of `tokens` tokens."""
+    vocab = bench.runner.info.vocab_size
+
+    def once() -> None:
+        bench.runner.execute(bench.plan(prompts(1, tokens, vocab, seed=bench.step_id), {}))
+        bench.finish_all()
+
+    return timed(once, bench.runner.device, repeat)
+
+
+def build_runner(args: argparse.Namespace) -> ModelRunner:
+    config = WorkerConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          kv_cache_memory=args.kv_cache_gib << 30, num_threads=args.threads)
+    if args.model_shape is None:
+        return ModelRunner(config)
+    if not args.random_weights:
+        raise SystemExit("--model-shape needs --random-weights (no weights ship for it)")
+    shape = MODEL_SHAPES[args.model_shape]
+    device = resolve_device(args.device)
+    return ModelRunner(config, loaded=(shape, random_weights(shape, device, resolve_dtype(args.dtype, device))))
+
+
+def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, Any]:
+    """Decode and prefill numbers for one runner, with roofline fractions."""
+    info, bench = runner.info, Bench(runner)
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    weight_bytes = info.num_params * elem
+    c = runner.model_config
+    head_params = c.vocab_size * c.hidden_size
+    matmul_params = info.num_params - head_params * (1 if c.tie_word_embeddings else 2)  # no embedding, no head
+    flops_rate = rates[f"matmul_flops_{info.dtype}"] if f"matmul_flops_{info.dtype}" in rates else rates["matmul_flops_float32"]
+    decode = {}
+    for batch in args.batches:
+        step = bench_decode(bench, batch, args.context, args.repeat)
+        step_bytes = weight_bytes + batch * (args.context + 1) * info.kv_bytes_per_token
+        # every decode token also runs the LM head, so it counts as a matmul here
+        bound = max(step_bytes / rates["copy_bandwidth_bytes"], 2 * (matmul_params + head_params) * batch / flops_rate)
+        decode[str(batch)] = {
+            "step_ms": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
+            "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / step, 3),
+        }
+    prefill = {}
+    for tokens in args.chunks:
+        seconds = bench_prefill(bench, tokens, max(1, args.repeat // 2))
+        prefill[str(tokens)] = {
+            "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
+            "roofline_ms": round(2 * matmul_params * tokens / flops_rate * 1e3, 2),
+            "roofline_fraction": round(2 * matmul_params * tokens / flops_rate / seconds, 3),
+        }
+    return {"dtype": info.dtype, "decode": decode, "prefill": prefill}
+
+
+def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
+    """Greedy continuations of fixed random prompts (for comparing dtypes)."""
+    bench = Bench(runner)
+    reqs = prompts(n_prompts, length, runner.info.vocab_size, seed=12345)
+    outs: dict[str, list[int]] = {rid: [] for rid in reqs}
+    result = runner.execute(bench.plan(reqs, {}))
+    for _ in range(steps):
+        for rid, tok in result.sampled_token_ids.items():
+            outs[rid].append(tok)
+        result = runner.execute(bench.plan({}, dict.fromkeys(reqs, 1)))
+    bench.finish_all()
+    return list(outs.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2 GGUF)")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None)
+    parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size")
+    parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    runner = build_runner(args)
+    rates = machine_rates(runner.device)
+    report: dict[str, Any] = {
+        "model": runner.info.model_name, "device": runner.info.device, "threads": torch.get_num_threads(),
+        "attention_backend": runner.info.attention_backend, "num_params": runner.info.num_params,
+        "context": args.context, "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
+        "machine_units": "GFLOP/s and GB/s", "results": [measure(runner, args, rates)],
+    }
+    if args.compare_dtypes and args.model_shape is None:
+        base = greedy_tokens(runner, 8, 32, 32)
+        del runner
+        # the bf16 pass is kept short: without AVX-512 BF16 / AMX, CPU bf16 matmuls are slow
+        short = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "batches": [1, 8], "chunks": [256], "repeat": 3})
+        other = build_runner(short)
+        report["results"].append(measure(other, short, rates))
+        alt = greedy_tokens(other, 8, 32, 32)
+        same = sum(a == b for a, b in zip(base, alt, strict=True))
+        report["bf16_vs_fp32_greedy"] = {"identical_sequences": same, "of": len(base),
+                                         "identical_tokens": sum(x == y for a, b in zip(base, alt, strict=True) for x, y in zip(a, b, strict=True)),
+                                         "of_tokens": sum(len(a) for a in base)}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

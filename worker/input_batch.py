@@ -1,0 +1,204 @@
+"""The persistent input batch: per-request state kept across steps, and one step's tensors.
+
+Each live request owns a `RequestState` (its tokens, sampling params, rng, block table). A
+request in the active batch also owns a row of two persistent numpy arrays (token ids and
+block table), so a step's input ids, positions and cache slots come from a few vectorized
+gathers instead of per-token Python. A preempted request gives its row back and keeps its
+state; it gets a row again when it resumes.
+
+Positions of one request in one step (n = tokens scheduled)::
+
+    tokens:   [ prompt ........ | sampled ... ]      len = num_tokens
+    computed: [0, num_computed)                       KV already in the cache
+    this step:            [num_computed, num_computed + n)
+    samples iff num_computed + n == num_tokens (the chunk reaches the last known token)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from scheduler.sampling import SamplingParams
+from worker.attention import AttentionMetadata, PrefillSpan
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the worker remembers about one request until it finishes or is aborted."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    row: int = -1  # row in the persistent arrays; -1 while preempted
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's flattened batch on the device, and who samples."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [n_sample] int64: last token of each sampling request
+    sampling_states: list[RequestState]  # aligned with logits_indices
+    scheduled: list[tuple[RequestState, int]]  # (request, tokens this step), batch order
+
+
+class InputBatch:
+    """Request states plus the persistent token/block arrays of the active ones."""
+
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, rows: int = 64) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_model_len = max_model_len
+        # +1: with overlap a request may sample one token past max_model_len before it stops
+        self.token_ids = np.zeros((rows, max_model_len + 1), dtype=np.int64)
+        self.block_table = np.zeros((rows, -(-max_model_len // block_size) + 1), dtype=np.int32)
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self.token_ids) - len(self.free_rows)
+
+    def add(self, state: RequestState) -> None:
+        """A new request: remember it and give it a row."""
+        if state.req_id in self.requests:
+            raise RuntimeError(f"request {state.req_id!r} is already in the worker")
+        self.requests[state.req_id] = state
+        self.activate(state)
+
+    def remove(self, req_id: str) -> None:
+        """Finished or aborted: forget everything (unknown ids are ignored)."""
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.deactivate(state)
+
+    def activate(self, state: RequestState) -> None:
+        """Give the request a row and copy its tokens and block table there."""
+        if state.row >= 0:
+            return
+        if len(state.prompt_token_ids) > self.max_model_len:
+            raise RuntimeError(
+                f"request {state.req_id!r}: {len(state.prompt_token_ids)} prompt tokens exceed max_model_len {self.max_model_len}"
+            )
+        if not self.free_rows:
+            self._grow()
+        state.row = self.free_rows.pop()
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[state.row, : len(tokens)] = tokens
+        self.set_blocks(state, state.block_ids)
+
+    def deactivate(self, state: RequestState) -> None:
+        """Preempted: give the row back; tokens and rng stay in the state, blocks are dropped."""
+        if state.row >= 0:
+            self.free_rows.append(state.row)
+            state.row = -1
+        state.block_ids = []
+
+    def set_blocks(self, state: RequestState, block_ids: list[int]) -> None:
+        if len(block_ids) > self.block_table.shape[1]:
+            raise RuntimeError(
+                f"request {state.req_id!r}: {len(block_ids)} blocks exceed the block table width {self.block_table.shape[1]}"
+            )
+        state.block_ids = list(block_ids)
+        self.block_table[state.row, : len(block_ids)] = block_ids
+
+    def append_token(self, state: RequestState, token: int) -> None:
+        """Record a sampled token; the next step computes it without waiting for the scheduler."""
+        if state.num_tokens < self.token_ids.shape[1]:
+            self.token_ids[state.row, state.num_tokens] = token
+        state.output_token_ids.append(token)
+
+    def _grow(self) -> None:
+        old = len(self.token_ids)
+        self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.free_rows = list(range(2 * old - 1, old - 1, -1)) + self.free_rows
+
+    def prepare(self, scheduled: list[tuple[RequestState, int]]) -> StepInputs:
+        """Flatten the scheduled requests (decodes first) into one batch of device tensors."""
+        scheduled = sorted(scheduled, key=lambda item: item[1] != 1)  # stable: decodes first
+        rows = np.array([s.row for s, _ in scheduled], dtype=np.int64)
+        counts = np.array([n for _, n in scheduled], dtype=np.int64)
+        computed = np.array([s.num_computed_tokens for s, _ in scheduled], dtype=np.int64)
+        self._check_known(scheduled, computed + counts)
+        ends = np.cumsum(counts)
+        req_of_token = np.repeat(np.arange(len(scheduled)), counts)
+        positions = computed[req_of_token] + np.arange(int(ends[-1])) - (ends - counts)[req_of_token]
+        input_ids = self.token_ids[rows[req_of_token], positions]
+        blocks = self.block_table[rows[req_of_token], positions // self.block_size].astype(np.int64)
+        slots = blocks * self.block_size + positions % self.block_size
+        samples = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
+        meta = self._metadata(scheduled, rows, counts, computed + counts, slots)
+        return StepInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            attn_metadata=meta,
+            logits_indices=self._to_device(ends[samples] - 1),
+            sampling_states=[scheduled[i][0] for i in samples],
+            scheduled=scheduled,
+        )
+
+    def _check_known(self, scheduled: list[tuple[RequestState, int]], seq_lens: np.ndarray) -> None:
+        """Every scheduled token must be known to the worker and have a cache slot."""
+        for (state, _), seq_len in zip(scheduled, seq_lens.tolist(), strict=True):
+            if seq_len > state.num_tokens or -(-seq_len // self.block_size) > len(state.block_ids):
+                raise RuntimeError(
+                    f"request {state.req_id!r}: plan computes up to position {seq_len} but the worker "
+                    f"has {state.num_tokens} tokens and {len(state.block_ids)} blocks"
+                )
+
+    def _metadata(
+        self, scheduled: list[tuple[RequestState, int]], rows: np.ndarray, counts: np.ndarray,
+        seq_lens: np.ndarray, slots: np.ndarray,
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        num_decodes = int((counts == 1).sum())
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        tables = self._to_device(self.block_table[rows, :max_blocks], torch.int32)
+        seq_lens_t = self._to_device(seq_lens, torch.int32)
+        mask = None
+        if num_decodes:
+            dec_blocks = -(-int(seq_lens[:num_decodes].max()) // bs)
+            key_pos = torch.arange(dec_blocks * bs, device=self.device)
+            mask = (key_pos[None, :] < seq_lens_t[:num_decodes, None]).view(num_decodes, 1, 1, -1)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        prefills = tuple(
+            PrefillSpan(
+                token_start=int(starts[i]),
+                token_end=int(starts[i + 1]),
+                seq_len=int(seq_lens[i]),
+                block_ids=tables[i, : -(-int(seq_lens[i]) // bs)].long(),
+            )
+            for i in range(num_decodes, len(scheduled))
+        )
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(starts, torch.int32),
+            seq_lens=seq_lens_t,
+            block_tables=tables,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+            decode_key_mask=mask,
+            prefills=prefills,
+            block_size=bs,
+        )
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

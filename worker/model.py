@@ -1,0 +1,152 @@
+"""The Llama-family decoder in plain torch, over one flattened batch of tokens.
+
+A step's tokens (prefill chunks and decodes of many requests) form one sequence of T tokens;
+only attention looks at request boundaries, through `AttentionMetadata` and the paged KV
+cache. q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata
+from worker.model_config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim/2] in float32, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_freqs is not None:  # llama.cpp ships Llama 3.1's scaling as precomputed divisors
+        return inv_freq / rope_freqs.float()
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if config.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth band between."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as HF Llama does."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with residuals. Construction fuses the weights and pops
+    the unfused ones from `w`, so peak memory stays near one copy of the model."""
+
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.input_norm = RMSNorm(w.pop(prefix + "input_layernorm.weight"), c.rms_norm_eps)
+        self.post_norm = RMSNorm(w.pop(prefix + "post_attention_layernorm.weight"), c.rms_norm_eps)
+        attn = prefix + "self_attn."
+        qkv = [w.pop(f"{attn}{p}_proj.weight") for p in "qkv"]
+        self.qkv_weight = nn.Parameter(torch.cat(qkv), requires_grad=False)
+        bias = torch.cat([w.pop(f"{attn}{p}_proj.bias") for p in "qkv"]) if c.attention_bias else None
+        self.qkv_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.o_weight = nn.Parameter(w.pop(attn + "o_proj.weight"), requires_grad=False)
+        o_bias = w.pop(attn + "o_proj.bias", None) if c.attention_out_bias else None
+        self.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
+        gate_up = torch.cat([w.pop(prefix + "mlp.gate_proj.weight"), w.pop(prefix + "mlp.up_proj.weight")])
+        self.gate_up_weight = nn.Parameter(gate_up, requires_grad=False)
+        self.down_weight = nn.Parameter(w.pop(prefix + "mlp.down_proj.weight"), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *cos_sin)
+        attn = attention.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        gate, up = F.linear(self.post_norm(x), self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation of [T, heads, D] by per-token cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied or not)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
+        max_positions: int,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        head = None if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = None if head is None else nn.Parameter(head, requires_grad=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config, weights.get("rope_freqs")))
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for T flattened tokens."""
+        x = F.embedding(input_ids, self.embed)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, (cos, sin), self.attention, meta, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] for the selected hidden states [n, hidden]."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
