@@ -215,6 +215,7 @@ class ModelRunner:
             generators=[s.generator for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=self.info.eos_token_ids,
         )
         out = self.sampler.sample(logits, meta)
         for state, token in zip(states, out.token_ids, strict=True):

@@ -1,0 +1,114 @@
+"""Simulator fidelity: predict a live load run with the calibrated CPU profile, then measure it.
+
+One run does everything, side by side:
+  1. `bench/worker_step.py` on the default model -> the CPU's step times (JSON);
+  2. `stepserve simulate calibrate` fits a hardware profile to them;
+  3. `stepserve serve` starts on a free port; `stepserve bench` loads it with a seeded
+     Poisson workload and measures;
+  4. `stepserve simulate` replays the same workload (same generator, same seed, same
+     scheduler flags and KV block count) on the calibrated profile.
+Prints JSON with both summaries' request throughput and median TTFT and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(args: list[str]) -> None:
+    subprocess.run([sys.executable, *args], check=True, cwd=ROOT, stdout=sys.stderr)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError("server did not become healthy")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--request-rate", type=float, default=2.0)
+    ap.add_argument("--prompt-len", default="uniform:64:256")
+    ap.add_argument("--output-len", default="uniform:16:64")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bench-json", default=None, help="reuse a worker_step.py output instead of running it")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="stepserve-fidelity-"))
+    step_json = Path(args.bench_json) if args.bench_json else tmp / "worker_step.json"
+    if not args.bench_json:
+        with step_json.open("w") as f:
+            subprocess.run(
+                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads),
+                 "--batches", "1", "4", "16", "--chunks", "64", "256", "512", "--repeat", "3"],
+                check=True, cwd=ROOT, stdout=f,
+            )
+    profile = tmp / "cpu_profile.json"
+    _run(["-m", "service.cli", "simulate", "calibrate", "--from", str(step_json), "--out", str(profile)])
+
+    workload = ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+                "--prompt-len", args.prompt_len, "--output-len", args.output_len, "--seed", str(args.seed)]
+    sched = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", "16"]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
+         "--num-threads", str(args.threads), *sched],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr,
+    )
+    try:
+        _wait_healthy(url, server)
+        with urllib.request.urlopen(f"{url}/debug/kv") as r:
+            num_blocks = int(json.load(r)["num_gpu_blocks"])
+        measured_json = tmp / "measured.json"
+        _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json",
+              str(measured_json), *workload])
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    simulated_json = tmp / "simulated.json"
+    _run(["-m", "service.cli", "simulate", "--model-shape", "smollm2-135m", "--hardware", str(profile),
+          "--num-gpu-blocks", str(num_blocks), "--result-json", str(simulated_json), *workload, *sched])
+    measured = json.loads(measured_json.read_text())
+    simulated = json.loads(simulated_json.read_text())
+    sim_summary = simulated.get("summary", simulated)
+    rows = {k: {"measured": measured.get(k), "simulated": sim_summary.get(k)} for k in KEYS}
+    for row in rows.values():
+        m, s = row["measured"], row["simulated"]
+        row["ratio_sim_over_measured"] = (s / m) if m and s is not None else None
+    print(json.dumps({"benchmark": "fidelity", "workload": workload, "scheduler": sched,
+                      "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
+                      "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
