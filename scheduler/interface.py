@@ -33,5 +33,8 @@ class SchedulerInterface(Protocol):
     def needs_plan(self) -> bool:
         """True while requests are unfinished or finished/aborted ids await publication."""
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if KV accounting or the queues are inconsistent."""
+
     def stats(self) -> SchedulerStats:
         """A snapshot of queue sizes, KV usage, prefix-cache and preemption counters."""

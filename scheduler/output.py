@@ -55,7 +55,15 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (it may still carry frees, preemptions or swaps)."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def is_noop(self) -> bool:
+        """Nothing at all for the worker to do: such a plan need not be sent."""
+        return self.is_empty and not (
+            self.finished_req_ids or self.aborted_req_ids or self.preempted_req_ids or self.swap_out or self.swap_in
+        )
 
     @property
     def num_reqs(self) -> int:

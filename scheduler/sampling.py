@@ -60,6 +60,11 @@ class SamplingParams:
         self._check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         self._check(self.repetition_penalty > 0.0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self._check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative")
+        self._check(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            f"seed must be a 64-bit integer, got {self.seed}",
+        )
 
     @staticmethod
     def _check(ok: bool, param: str, message: str) -> None:

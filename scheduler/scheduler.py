@@ -270,6 +270,8 @@ class Scheduler:
     def update_from_output(
         self, plan: SchedulerOutput, output: ModelRunnerOutput, now: float | None = None
     ) -> list[RequestOutput]:
+        if output.step_id != plan.step_id:
+            raise ValueError(f"output of step {output.step_id} applied to plan {plan.step_id}")
         now = self._now(now)
         outs: list[RequestOutput] = []
         for rid in self._expect_sample.pop(plan.step_id, ()):
@@ -295,9 +297,10 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        stops = (not sp.ignore_eos and token in req.eos_token_ids) or token in sp.stop_token_ids
+        is_stop_id = token in sp.stop_token_ids
+        stops = is_stop_id or (not sp.ignore_eos and token in req.eos_token_ids)
         if stops and req.num_output_tokens >= sp.min_tokens:
-            req.stop_token_id = token
+            req.stop_token_id = token if is_stop_id else None  # EOS is no "stop_reason" (vLLM)
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -305,7 +308,7 @@ class Scheduler:
 
     def _request_output(self, req: Request, token: int | None, out: ModelRunnerOutput) -> RequestOutput:
         lp = out.logprobs.get(req.request_id) if token is not None else None
-        finished = req.status >= RequestStatus.FINISHED_STOPPED
+        finished = req.is_finished
         return RequestOutput(
             req.request_id,
             (token,) if token is not None else (),

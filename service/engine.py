@@ -31,9 +31,9 @@ from service.metrics import ServiceMetrics
 from service.stream import (
     EngineDeadError,
     EngineOverloadedError,
-    RequestFailedError,
     RequestRejectedError,
     RequestStream,
+    StepFailedError,
     StreamDelta,
 )
 from service.worker_link import InFlightStep, WorkerClientLike
@@ -235,8 +235,10 @@ class AsyncEngine:
 
     def _fill_pipeline(self, in_flight: deque[InFlightStep]) -> None:
         while len(in_flight) < MAX_IN_FLIGHT:
+            if not self.scheduler.needs_plan():
+                return
             plan = self.scheduler.schedule(self.clock())
-            if plan.is_empty and not (plan.finished_req_ids or plan.aborted_req_ids or plan.swap_out):
+            if plan.is_noop:
                 return
             now = self.clock()
             self.worker.submit(plan)
@@ -252,8 +254,11 @@ class AsyncEngine:
     def _apply_output(self, step: InFlightStep, output: ModelRunnerOutput) -> None:
         now = self.clock()
         if output.error is not None:
-            # The scheduler aborts the requests of a failed step; the engine carries on.
-            log.error("worker step %d failed: %s", output.step_id, output.error)
+            # A step that raised may have applied part of its plan in the worker, and the
+            # next plan is already in flight: worker and scheduler can no longer be trusted
+            # to agree (tokens, computed counts, cached blocks). Fail loudly; the process
+            # exits non-zero and its supervisor restarts it, as for a dead worker.
+            raise StepFailedError(f"worker step {output.step_id} failed: {output.error}")
         outputs = self.scheduler.update_from_output(step.plan, output, now)
         for out in outputs:
             stream = self._streams.get(out.req_id)
@@ -261,11 +266,7 @@ class AsyncEngine:
                 continue  # aborted: its late token is dropped
             if out.finished:
                 del self._streams[out.req_id]
-            if output.error is not None and out.finish_reason == "abort":
-                stream.record_finish("abort", now)
-                stream.fail(RequestFailedError(f"the model step failed: {output.error}"))
-            else:
-                stream.put(out, now)
+            stream.put(out, now)
         self._stats = self.scheduler.stats()
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
@@ -296,11 +297,10 @@ class AsyncEngine:
 
     def _check_integrity(self) -> None:
         """When idle, let the scheduler verify its KV accounting (a bug is logged, not fatal)."""
-        check = getattr(self.scheduler, "check_integrity", None)
-        if check is None or self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             return
         try:
-            check()
+            self.scheduler.check_integrity()
         except AssertionError:
             log.exception("scheduler integrity check failed while idle")
 

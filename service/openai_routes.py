@@ -25,7 +25,13 @@ from service.errors import APIError, bad_request, error_body
 from service.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
 from service.sse import DONE, event, merge, open_event_stream
 from service.state import STATE, LoadedEngine, ServiceState
-from service.stream import EngineDeadError, EngineError, EngineOverloadedError, RequestStream
+from service.stream import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    RequestRejectedError,
+    RequestStream,
+)
 from worker.tokenizer import apply_chat_template
 
 MAX_CHOICES = 256  # prompts x n in one request
@@ -104,18 +110,29 @@ async def _prompt_ids(state: ServiceState, loaded: LoadedEngine, prompt: str | l
     return ids
 
 
-def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_model_len: int) -> list[_Choice]:
+def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], loaded: LoadedEngine) -> list[_Choice]:
     if req.n < 1:
         raise bad_request(f"n must be at least 1, got {req.n}", "n")
     if req.n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {req.n * len(prompts)}", "n")
     out: list[_Choice] = []
     for p, ids in enumerate(prompts):
-        params = req.sampling_params(resolve_max_tokens(req, len(ids), max_model_len))
+        params = req.sampling_params(resolve_max_tokens(req, len(ids), loaded.max_model_len))
+        _check_worker_limits(params, req.n, loaded.vocab_size)
         for i in range(req.n):
             seed = None if params.seed is None else params.seed + i  # siblings must differ
             out.append(_Choice(p * req.n + i, ids, dataclasses.replace(params, n=1, seed=seed)))
     return out
+
+
+def _check_worker_limits(params: SamplingParams, n: int, vocab_size: int) -> None:
+    """Values the worker would fail on must be refused here, before they can fail a step
+    that other requests share."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", "stop_token_ids")
+    if params.seed is not None and params.seed + n - 1 >= 2**63:
+        raise bad_request(f"seed + n - 1 must be below 2**63, got seed {params.seed} with n={n}", "seed")
 
 
 async def _serve(
@@ -126,7 +143,7 @@ async def _serve(
     prompts: list[list[int]],
     meta: R.ResponseMeta,
 ) -> web.StreamResponse:
-    choices = _choices(req, prompts, loaded.max_model_len)
+    choices = _choices(req, prompts, loaded)
     engine = loaded.engine
     try:
         engine.check_capacity(len(choices))
@@ -139,9 +156,19 @@ async def _serve(
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
     prompt_tokens = sum(len(ids) for ids in prompts)
-    if req.stream:
-        return await _stream(request, engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
-    return await _whole(engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+    try:
+        if req.stream:
+            return await _stream(request, engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+        return await _whole(engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+    finally:  # whatever happened (a client gone before the first event included), abort the rest
+        for stream in streams:
+            stream.close()
+
+
+def _generation_error(exc: EngineError) -> APIError:
+    if isinstance(exc, RequestRejectedError):
+        return APIError(400, str(exc))
+    return APIError(500, f"generation failed: {exc}")
 
 
 async def _whole(
@@ -158,9 +185,10 @@ async def _whole(
             res.num_output_tokens = delta.num_output_tokens
             if delta.finished:
                 res.finish_reason, res.stop_reason = delta.finish_reason, delta.stop_reason
-                cached += delta.num_cached_tokens
+                if res.index % req.n == 0:  # type: ignore[attr-defined]  # a prompt counts once, as in prompt_tokens
+                    cached += delta.num_cached_tokens
     except EngineError as exc:
-        raise APIError(500, f"generation failed: {exc}") from None
+        raise _generation_error(exc) from None
     usage = R.usage(prompt_tokens, sum(r.num_output_tokens for r in results), cached)
     want_logprobs = req.num_logprobs() is not None  # type: ignore[attr-defined]
     body = R.full_response(meta, results, usage, tokenizer, want_logprobs)
@@ -196,7 +224,8 @@ async def _stream(
             choice = R.stream_choice(meta, indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
             await response.write(event(R.chunk(meta, choice, None, include_usage)))
     except EngineError as exc:
-        await response.write(event(error_body(500, f"generation failed: {exc}")))
+        err = _generation_error(exc)
+        await response.write(event(error_body(err.status, err.message)))
     except ConnectionResetError:
         return response  # the client left; closing its streams (in merge) aborted them
     except Exception:

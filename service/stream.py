@@ -34,8 +34,8 @@ class RequestRejectedError(EngineError):
     """The scheduler refused the request (it can never fit)."""
 
 
-class RequestFailedError(EngineError):
-    """The worker's step failed for this request; the engine itself carries on."""
+class StepFailedError(EngineError):
+    """A worker step raised: worker and scheduler may disagree, so the engine stops."""
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,9 @@ class WorkerClient:
                 self._inbox.put_nowait(decode(conn.recv_bytes()))
         except (EOFError, OSError):
             self._mark_dead()
+        except Exception:  # an undecodable message: treat the worker as lost, never hang
+            logger.exception("unreadable message from the worker")
+            self._mark_dead()
 
     def _on_exit(self) -> None:
         self._on_readable()  # outputs sent before the exit are still delivered

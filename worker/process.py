@@ -117,6 +117,8 @@ def _read_inbox(conn: Connection, inbox: queue.SimpleQueue[Message], parent_pid:
             message = decode(conn.recv_bytes())
         except (EOFError, OSError):
             _parent_gone("the pipe to the parent closed")
+        except Exception as exc:  # an undecodable message: the protocol is broken, stop
+            _parent_gone(f"unreadable message from the parent ({type(exc).__name__}: {exc})")
         inbox.put(message)
         if isinstance(message, Shutdown):
             return

@@ -113,10 +113,11 @@ def test_stop_conditions() -> None:
     # output k of a 10-token prompt is sampled when the sequence holds 10 + k - 1 tokens
     drive(s, _eos_at({"eos": 12, "ignore": 11, "min": 12}))
     assert (reqs["eos"].num_output_tokens, reqs["eos"].finish_reason) == (3, "stop")
-    assert reqs["eos"].stop_token_id == EOS
+    assert reqs["eos"].output_token_ids[-1] == EOS and reqs["eos"].stop_token_id is None
     assert (reqs["ignore"].num_output_tokens, reqs["ignore"].finish_reason) == (6, "length")
     assert reqs["min"].num_output_tokens == 50  # its only EOS came before min_tokens
     assert (reqs["stopid"].num_output_tokens, reqs["stopid"].finish_reason) == (5, "stop")
+    assert reqs["stopid"].stop_token_id == 1014
 
 
 def test_max_model_len_stops() -> None:

@@ -16,7 +16,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
 from service.engine import AsyncEngine
-from service.stream import RequestFailedError
+from service.stream import EngineDeadError
 from worker.client import WorkerClient
 from worker.config import WorkerConfig
 
@@ -100,12 +100,15 @@ async def test_abort_frees_blocks_within_one_step(engine: AsyncEngine) -> None:
     sched.check_integrity()
 
 
-async def test_failed_step_fails_its_requests_only(engine: AsyncEngine) -> None:
+async def test_failed_step_stops_the_engine(engine: AsyncEngine) -> None:
+    """A step that raised may have half-applied its plan in the worker, with the next plan
+    already in flight: the engine must not carry on as if the two still agreed."""
     engine.worker.fail_step = 3  # type: ignore[attr-defined]
-    with pytest.raises(RequestFailedError, match="injected failure"):
+    with pytest.raises(EngineDeadError, match="injected failure"):
         await _collect(engine, "victim")
-    assert not engine.dead.is_set()
-    assert (await _collect(engine, "after"))[1] == "length"
+    assert engine.dead.is_set()
+    with pytest.raises(EngineDeadError):
+        await _collect(engine, "after")
 
 
 async def test_stop_string_ends_the_request_in_the_scheduler(engine: AsyncEngine) -> None:

@@ -111,3 +111,13 @@ async def test_64_concurrent_greedy_streams_equal_solo_runs(live_server: Any) ->
     mismatches = [(p, t, solo[p]) for p, t in zip(prompts, together, strict=True) if t != solo[p]]
     assert not mismatches, mismatches[:3]
     await client.close()
+
+
+def test_min_tokens_holds_off_eos(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40, "temperature": 0}
+    short = client.chat.completions.create(**kwargs)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None  # ends with EOS
+    floor = short.usage.completion_tokens + 6
+    assert floor < 40
+    held = client.chat.completions.create(**kwargs, extra_body={"min_tokens": floor})
+    assert held.usage is not None and held.usage.completion_tokens >= floor
