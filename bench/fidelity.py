@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
           "--num-gpu-blocks", str(num_blocks), "--result-json", str(simulated_json), *workload, *sched])
     measured = json.loads(measured_json.read_text())
     simulated = json.loads(simulated_json.read_text())
-    sim_summary = simulated.get("summary", simulated)
+    sim_summary = simulated["summaries"]["continuous"]
     rows = {k: {"measured": measured.get(k), "simulated": sim_summary.get(k)} for k in KEYS}
     for row in rows.values():
         m, s = row["measured"], row["simulated"]

@@ -39,22 +39,23 @@ class Fit:
     num_compute_bound: int
 
 
-def _solve(f: np.ndarray, m: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
-    """Non-negative least squares for (a, b, c) given which steps are compute-bound.
+def _solve(f: np.ndarray, m: np.ndarray, r: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
+    """Non-negative least squares for (a, b, c, d) given which steps are compute-bound:
+    t = max(a * flops, b * bytes) + c + d * requests.
 
-    With three unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
+    With four unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
     the best solution with no negative entry. A zero entry means "not measured" (a roof no
     step is assigned to) or "no overhead". None when no subset gives a valid solution.
     """
-    cols = np.stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), np.ones_like(t)], axis=1)
+    cols = np.stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), np.ones_like(t), r], axis=1)
     cols /= t[:, None]  # relative errors: a 5 ms step weighs as much as a 5 s one
     target = np.ones_like(t)
     best, best_err = None, np.inf
-    for subset in itertools.product((False, True), repeat=3):
+    for subset in itertools.product((False, True), repeat=4):
         used = np.array(subset) & cols.any(axis=0)
         if not used.any():
             continue
-        x = np.zeros(3)
+        x = np.zeros(4)
         x[used], *_ = np.linalg.lstsq(cols[:, used], target, rcond=None)
         err = float(np.sum((cols @ x - target) ** 2))
         if (x >= 0).all() and err < best_err:
@@ -62,27 +63,28 @@ def _solve(f: np.ndarray, m: np.ndarray, t: np.ndarray, compute: np.ndarray) -> 
     return best
 
 
-def _refine(f: np.ndarray, m: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
+def _refine(f: np.ndarray, m: np.ndarray, r: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
     """Alternate roof assignment and least squares from `x0`; returns (params, rel_rmse)."""
     x = x0
     compute = x[0] * f >= x[1] * m
     for _ in range(50):
-        new = _solve(f, m, t, compute)
+        new = _solve(f, m, r, t, compute)
         if new is None:
             break
         a, b = new[0] or x[0], new[1] or x[1]  # an unused roof keeps its previous value
-        x = np.array([a, b, new[2]])
+        x = np.array([a, b, new[2], new[3]])
         nxt = x[0] * f >= x[1] * m
         if (nxt == compute).all():
             break
         compute = nxt
-    pred = np.maximum(x[0] * f, x[1] * m) + x[2]
+    pred = np.maximum(x[0] * f, x[1] * m) + x[2] + x[3] * r
     return x, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
 
 
 def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: HardwareProfile,
                 block_size: int = 16, name: str | None = None) -> Fit:
-    """Fit effective FLOP/s, bandwidth and overhead; the host link is kept from `base`.
+    """Fit effective FLOP/s, bandwidth, per-step and per-request overhead; the host link is
+    kept from `base`.
 
     A roof no sample reaches cannot be measured: it keeps `base`'s value (and the fit
     only guarantees it is not binding).
@@ -92,18 +94,19 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     cm = CostModel(shape, base, block_size)
     f = np.array([cm.flops(s.batch) for s in samples])
     m = np.array([cm.bytes(s.batch) for s in samples])
+    r = np.array([float(s.batch.num_reqs) for s in samples])
     t = np.array([s.seconds for s in samples])
     if (t <= 0).any():
         raise ValueError("every measured step must take > 0 seconds")
-    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead])
+    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead, base.seq_overhead])
     starts = [x_base]
     for scale in (0.25, 4.0):
-        starts += [x_base * [scale, 1, 1], x_base * [1, scale, 1]]
-    best_x, best_err = min((_refine(f, m, t, x0) for x0 in starts), key=lambda r: r[1])
+        starts += [x_base * [scale, 1, 1, 1], x_base * [1, scale, 1, 1]]
+    best_x, best_err = min((_refine(f, m, r, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
     profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
                               memory_bandwidth=float(1 / best_x[1]), host_bandwidth=base.host_bandwidth,
-                              step_overhead=float(best_x[2]))
+                              step_overhead=float(best_x[2]), seq_overhead=float(best_x[3]))
     return Fit(profile, best_err, len(samples), compute_bound)
 
 

@@ -133,6 +133,10 @@ class HardwareProfile:
     memory_bandwidth: float  # bytes/s
     host_bandwidth: float  # bytes/s over the host link, one direction (swap copies)
     step_overhead: float  # seconds per step that no FLOP or byte explains
+    # Seconds per request in a step that no FLOP or byte explains: per-sequence work such as
+    # small-matrix inefficiency, attention launches and sampling. ~0 on a GPU; on a CPU
+    # worker it is what makes a decode token cost far more than its FLOPs (bench/RESULTS.md).
+    seq_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bandwidth", "host_bandwidth"):
@@ -140,6 +144,8 @@ class HardwareProfile:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.step_overhead < 0:
             raise ValueError(f"step_overhead must be >= 0 s, got {self.step_overhead}")
+        if self.seq_overhead < 0:
+            raise ValueError(f"seq_overhead must be >= 0 s, got {self.seq_overhead}")
 
     @property
     def ridge_point(self) -> float:
@@ -149,14 +155,16 @@ class HardwareProfile:
     def to_dict(self) -> dict[str, float | str]:
         return {"name": self.name, "peak_flops": self.peak_flops,
                 "memory_bandwidth": self.memory_bandwidth,
-                "host_bandwidth": self.host_bandwidth, "step_overhead": self.step_overhead}
+                "host_bandwidth": self.host_bandwidth, "step_overhead": self.step_overhead,
+                "seq_overhead": self.seq_overhead}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
         return cls(name=str(data.get("name", "custom")), peak_flops=float(data["peak_flops"]),  # type: ignore[arg-type]
                    memory_bandwidth=float(data["memory_bandwidth"]),  # type: ignore[arg-type]
                    host_bandwidth=float(data["host_bandwidth"]),  # type: ignore[arg-type]
-                   step_overhead=float(data["step_overhead"]))  # type: ignore[arg-type]
+                   step_overhead=float(data["step_overhead"]),  # type: ignore[arg-type]
+                   seq_overhead=float(data.get("seq_overhead", 0.0)))  # type: ignore[arg-type]
 
 
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {
@@ -271,7 +279,8 @@ class CostModel:
         swap = float(batch.swap_blocks * self.block_size * self.shape.kv_bytes_per_token)
         return StepCost(flops=flops, bytes=nbytes, swap_bytes=swap,
                         compute_time=flops / hw.peak_flops, memory_time=nbytes / hw.memory_bandwidth,
-                        swap_time=swap / hw.host_bandwidth, overhead=hw.step_overhead)
+                        swap_time=swap / hw.host_bandwidth,
+                        overhead=hw.step_overhead + hw.seq_overhead * batch.num_reqs)
 
     def step_time(self, batch: BatchShape) -> float:
         return self.step(batch).time

@@ -64,8 +64,6 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could never run"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must cover at least one decode")
         if self.priority_preemption_threshold is not None and self.policy != "priority":
             raise ValueError("priority_preemption_threshold needs policy='priority'")
         if self.priority_preemption_threshold is not None and self.priority_preemption_threshold < 1:
@@ -79,7 +77,3 @@ class SchedulerConfig:
         if self.victim_policy is not None:
             return self.victim_policy
         return "priority" if self.policy == "priority" else "newest"
-
-    @property
-    def max_blocks_per_request(self) -> int:
-        return -(-self.max_model_len // self.block_size)

@@ -20,7 +20,7 @@ import time
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager, cdiv
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
-from scheduler.queues import FCFSQueue, PriorityQueue
+from scheduler.queues import FCFSQueue, PriorityQueue, WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step import StepBuilder
@@ -32,7 +32,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVCacheManager(config)
-        self.waiting: FCFSQueue | PriorityQueue = (
+        self.waiting: WaitingQueue = (
             PriorityQueue(config.aging_period) if config.policy == "priority" else FCFSQueue()
         )
         self.running: list[Request] = []  # admission order: the newest is last
