@@ -55,7 +55,11 @@ class Simulator:
     """Runs a workload through a fresh `Scheduler` on a virtual clock."""
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
-                 record_timeline: bool = False, check_integrity: bool = False) -> None:
+                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True) -> None:
+        """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
+        engine does (two plans in flight); a request arriving during step N then first runs
+        in step N+2. Off: each plan is made after the previous output (one in flight)."""
+        self.overlap = overlap
         self.config = config
         self.cost_model = cost_model
         self.limits = limits or SimLimits()
@@ -77,6 +81,7 @@ class _Run:
         self.known = {w.request_id: w.prompt_len for w in workload}  # tokens the worker knows
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
+        self.queued: SchedulerOutput | None = None  # with overlap: the plan that runs next
         self.now, self.steps, self.idle_steps = 0.0, 0, 0
         self.kv = KVUsage()
         self.timeline: list[TimelinePoint] = []
@@ -109,7 +114,12 @@ class _Run:
         return batch, sampled
 
     def step(self) -> None:
-        plan = self.sched.schedule(self.now)
+        if self.sim.overlap:
+            if self.queued is None:  # the engine primes two plans at once
+                self.queued = self.sched.schedule(self.now)
+            plan, self.queued = self.queued, self.sched.schedule(self.now)
+        else:
+            plan = self.sched.schedule(self.now)
         batch, sampled = self.batch_of(plan)
         seconds = self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
         stats = self.sched.stats()
@@ -129,7 +139,7 @@ class _Run:
             if out.finished:
                 self.tokens.finished(out.req_id, self.now)
         self.idle_steps = 0 if sampled else self.idle_steps + 1
-        if not seconds and self.pending:
+        if not seconds and self.pending and (self.queued is None or self.queued.is_empty):
             self.now = max(self.now, self.pending[0].arrival_time)  # stuck until someone arrives
         if self.sim.check_integrity:
             self.sched.check_integrity()
@@ -151,6 +161,7 @@ class _Run:
         while (reason := self.stop_reason()) is None:
             self.admit_arrivals()
             if not self.sched.has_unfinished_requests():
+                self.queued = None  # whatever it held was for requests that are done
                 if self.pending:
                     self.now = max(self.now, self.pending[0].arrival_time)
                 continue

@@ -55,6 +55,25 @@ def test_lone_request_times_are_the_cost_model_steps() -> None:
     assert result.duration == pytest.approx(3.0 + rec.e2el)
 
 
+def test_overlap_delays_an_arrival_by_the_step_in_flight() -> None:
+    """With two plans in flight (the engine's overlap) the plan for the next step is made
+    when the current one starts, so a request arriving during step 1 misses step 2 too."""
+    long = WorkloadRequest("long", arrival_time=0.0, prompt_len=500, output_len=3)
+    late = WorkloadRequest("late", arrival_time=1e-6, prompt_len=10, output_len=1)
+    cfg = SchedulerConfig(max_model_len=600, max_num_batched_tokens=512)
+    ttft = {}
+    for overlap in (True, False):
+        recs = Simulator(cfg, CM, overlap=overlap).run([long, late]).records
+        ttft[overlap] = next(r.ttft for r in recs if r.request_id == "late")
+    decode, mixed = BatchShape(), BatchShape()
+    decode.add(1, 500)
+    mixed.add(1, 500)
+    mixed.add(10, 0)
+    # without overlap: late waits out long's prefill, then shares long's first decode step
+    assert ttft[False] + late.arrival_time == pytest.approx(CM.prefill_time(500) + CM.step_time(mixed))
+    assert ttft[True] == pytest.approx(ttft[False] + CM.step_time(decode), rel=1e-4)  # one more step
+
+
 def test_deterministic_for_a_seed() -> None:
     args = _args(THRASH)
     a = run_strategy(args, "continuous", build_workload(args)).summary()
