@@ -54,7 +54,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600)
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--request-rate", type=float, default=2.0)
+    ap.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 2.0],
+                    help="one load run per rate (2.0 overloads this CPU: TTFT is then mostly queueing)")
     ap.add_argument("--prompt-len", default="uniform:64:256")
     ap.add_argument("--output-len", default="uniform:16:64")
     ap.add_argument("--seed", type=int, default=7)
@@ -74,40 +75,48 @@ def main(argv: list[str] | None = None) -> None:
     profile = tmp / "cpu_profile.json"
     _run(["-m", "service.cli", "simulate", "calibrate", "--from", str(step_json), "--out", str(profile)])
 
-    workload = ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
-                "--prompt-len", args.prompt_len, "--output-len", args.output_len, "--seed", str(args.seed)]
     sched = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", "16"]
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
          "--num-threads", str(args.threads), *sched],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr,
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=sys.stderr,
     )
+    measured: dict[float, dict[str, float]] = {}
     try:
         _wait_healthy(url, server)
         with urllib.request.urlopen(f"{url}/debug/kv") as r:
             num_blocks = int(json.load(r)["num_gpu_blocks"])
-        measured_json = tmp / "measured.json"
-        _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json",
-              str(measured_json), *workload])
+        for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
+            out = tmp / f"measured-{rate}.json"
+            _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
+                  *_workload(args, rate)])
+            measured[rate] = json.loads(out.read_text())
     finally:
         server.terminate()
         server.wait(timeout=60)
-    simulated_json = tmp / "simulated.json"
-    _run(["-m", "service.cli", "simulate", "--model-shape", "smollm2-135m", "--hardware", str(profile),
-          "--num-gpu-blocks", str(num_blocks), "--result-json", str(simulated_json), *workload, *sched])
-    measured = json.loads(measured_json.read_text())
-    simulated = json.loads(simulated_json.read_text())
-    sim_summary = simulated["summaries"]["continuous"]
-    rows = {k: {"measured": measured.get(k), "simulated": sim_summary.get(k)} for k in KEYS}
-    for row in rows.values():
-        m, s = row["measured"], row["simulated"]
-        row["ratio_sim_over_measured"] = (s / m) if m and s is not None else None
-    print(json.dumps({"benchmark": "fidelity", "workload": workload, "scheduler": sched,
+    runs = []
+    for rate in args.request_rates:
+        out = tmp / f"simulated-{rate}.json"
+        _run(["-m", "service.cli", "simulate", "--model-shape", "smollm2-135m", "--hardware", str(profile),
+              "--num-gpu-blocks", str(num_blocks), "--result-json", str(out), *_workload(args, rate), *sched])
+        simulated = json.loads(out.read_text())["summaries"]["continuous"]
+        rows = {k: {"measured": measured[rate].get(k), "simulated": simulated.get(k)} for k in KEYS}
+        for row in rows.values():
+            m, sim = row["measured"], row["simulated"]
+            row["ratio_sim_over_measured"] = (sim / m) if m and sim is not None else None
+        runs.append({"request_rate": rate, "results": rows})
+    print(json.dumps({"benchmark": "fidelity", "workload": _workload(args, None), "scheduler": sched,
                       "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
-                      "results": rows}, indent=2))
+                      "runs": runs}, indent=2))
+
+
+def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:
+    seed = args.seed if rate is None else args.seed + args.request_rates.index(rate)
+    out = ["--num-prompts", str(args.num_prompts), "--prompt-len", args.prompt_len,
+           "--output-len", args.output_len, "--seed", str(seed)]
+    return out + ["--request-rate", str(rate)] if rate is not None else out
 
 
 if __name__ == "__main__":
