@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from sched_driver import drive
+from tiny_models import make_tiny_hf_model
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from worker.config import WorkerConfig
@@ -23,19 +24,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    ))
-    with torch.no_grad():  # larger weights: logits far from uniform, so no greedy near-ties
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
     target: Path = tmp_path_factory.mktemp("tiny") / "llama"
-    model.save_pretrained(target)
+    make_tiny_hf_model().save_pretrained(target)
     cfg = WorkerConfig(model=str(target), block_size=4, kv_cache_memory=512 * 4 * 256, swap_space=0.002)
     return ModelRunner(cfg)
 
