@@ -126,7 +126,9 @@ class RequestStream:
     async def __anext__(self) -> StreamDelta:
         while not self.finished:
             items = [await self._queue.get()]
-            while not self._queue.empty():  # coalesce what piled up while we were busy
+            # Coalesce what piled up while we were busy, except under stop strings: there a
+            # match must cut at its own token, or usage and logprobs would depend on timing.
+            while not self._stops.active and not self._queue.empty():
                 items.append(self._queue.get_nowait())
             delta = self._consume(items)
             if delta is not None:

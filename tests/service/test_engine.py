@@ -123,3 +123,20 @@ async def test_stop_string_ends_the_request_in_the_scheduler(engine: AsyncEngine
     while sched.has_unfinished_requests():
         await asyncio.sleep(0)
     sched.check_integrity()
+
+
+async def test_stop_string_usage_does_not_depend_on_reader_speed(engine: AsyncEngine) -> None:
+    """Tokens past the one that completes a stop string are never counted, however many
+    had piled up before the reader got to them."""
+    full, _ = await _collect(engine, "ref")
+    stop = full[8:11]
+    counts = []
+    for name, delay in (("fast", 0.0), ("slow", 0.3)):
+        stream = engine.submit([10, 20, 30, 40], GREEDY, name, stop=[stop])
+        await asyncio.sleep(delay)  # let the engine run ahead of the reader
+        last = None
+        async for delta in stream:
+            last = delta
+        assert last is not None and last.finish_reason == "stop"
+        counts.append(last.num_output_tokens)
+    assert counts[0] == counts[1] < GREEDY.max_tokens
