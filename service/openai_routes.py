@@ -52,7 +52,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = CompletionRequest.model_validate(await _read_json(request))
     req.check()
     _check_model(req.model, loaded)
-    prompts = [await _prompt_ids(state, loaded, p) for p in req.prompts()]
+    raw_prompts = req.prompts()
+    _check_choice_count(len(raw_prompts), req.n)  # before tokenizing them all
+    prompts = [await _prompt_ids(state, loaded, p) for p in raw_prompts]
     return await _serve(request, state, loaded, req, prompts, R.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=False))
 
 
@@ -111,10 +113,7 @@ async def _prompt_ids(state: ServiceState, loaded: LoadedEngine, prompt: str | l
 
 
 def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], loaded: LoadedEngine) -> list[_Choice]:
-    if req.n < 1:
-        raise bad_request(f"n must be at least 1, got {req.n}", "n")
-    if req.n * len(prompts) > MAX_CHOICES:
-        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {req.n * len(prompts)}", "n")
+    _check_choice_count(len(prompts), req.n)
     out: list[_Choice] = []
     for p, ids in enumerate(prompts):
         params = req.sampling_params(resolve_max_tokens(req, len(ids), loaded.max_model_len))
@@ -123,6 +122,13 @@ def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[
             seed = None if params.seed is None else params.seed + i  # siblings must differ
             out.append(_Choice(p * req.n + i, ids, dataclasses.replace(params, n=1, seed=seed)))
     return out
+
+
+def _check_choice_count(num_prompts: int, n: int) -> None:
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}", "n")
+    if n * num_prompts > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {n * num_prompts}", "n")
 
 
 def _check_worker_limits(params: SamplingParams, n: int, vocab_size: int) -> None:

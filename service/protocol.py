@@ -15,6 +15,7 @@ from scheduler.sampling import SamplingParams
 from service.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # matching costs O(len) per token in the handler
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +71,8 @@ class _SamplingRequest(BaseModel):
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
         if any(s == "" for s in stops):
             raise bad_request("stop strings must not be empty", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise bad_request(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 

@@ -36,6 +36,8 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("min_tokens over max_tokens", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
     ("negative stop token id", "POST", COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("stop token id past the vocabulary", "POST", COMPLETIONS, {"prompt": "x", "stop_token_ids": [10**7], "min_tokens": 1, "max_tokens": 2}, 400, "stop_token_ids"),
+    ("stop string too long", "POST", COMPLETIONS, {"prompt": "x", "stop": ["a" * 2000]}, 400, "stop"),
+    ("too many choices", "POST", COMPLETIONS, {"prompt": ["x"] * 200, "n": 2}, 400, "n"),
     ("seed over 64 bits", "POST", COMPLETIONS, {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("seed + n over 64 bits", "POST", COMPLETIONS, {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed"),
     ("unknown model", "POST", COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, "model"),
