@@ -20,6 +20,7 @@ import time
 from scheduler.config import SchedulerConfig
 from scheduler.kv_manager import KVCacheManager, cdiv
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.policies import pick_victim, request_output, stop_status, swap_is_cheaper
 from scheduler.queues import FCFSQueue, PriorityQueue, WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
@@ -132,7 +133,7 @@ class Scheduler:
                     step.add(req, n, new)
                     i += 1
                     break
-                victim = self._pick_victim(self.running)
+                victim = pick_victim(self.running, self.config.effective_victim_policy)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, step)
@@ -218,11 +219,6 @@ class Scheduler:
             return self.waiting.effective_priority(req, now), req.arrival_time
         return 0, req.arrival_time
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        if self.config.effective_victim_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
-        return max(candidates, key=lambda r: r.admit_seq)
-
     def _preempt_for_priority(self, req: Request, step: StepBuilder, now: float) -> bool:
         """Preempt the least urgent running request if `req` beats it by the threshold.
         Both sides are compared by *effective* (aged) priority: comparing an aged waiting
@@ -241,17 +237,11 @@ class Scheduler:
         self._preempt(victim, step)
         return True
 
-    def _swap_is_cheaper(self, req: Request) -> bool:
-        c, tokens = self.config, req.num_computed_tokens
-        swap = 2 * tokens * c.kv_bytes_per_token / c.swap_bandwidth  # out now, in later
-        recompute = tokens * c.flops_per_token / c.compute_rate
-        return swap < recompute
-
     def _preempt(self, victim: Request, step: StepBuilder) -> None:
         step.unschedule(victim)
         self.running.remove(victim)
         mode = self.config.preemption_mode
-        swap = mode == "swap" or (mode == "auto" and self._swap_is_cheaper(victim))
+        swap = mode == "swap" or (mode == "auto" and swap_is_cheaper(self.config, victim.num_computed_tokens))
         if swap and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -282,44 +272,18 @@ class Scheduler:
             token = output.sampled_token_ids.get(rid)
             if token is None or output.error is not None:
                 self._finish(req, RequestStatus.FINISHED_ABORTED, now)
-                outs.append(self._request_output(req, None, output))
+                outs.append(request_output(req, None, output))
                 continue
             req.append_output(token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            status = self._stop_status(req, token)
+            status = stop_status(req, token, self.config.max_model_len)
             if status is not None:
                 self._finish(req, status, now)
             elif req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)
-            outs.append(self._request_output(req, token, output))
+            outs.append(request_output(req, token, output))
         return outs
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        is_stop_id = token in sp.stop_token_ids
-        stops = is_stop_id or (not sp.ignore_eos and token in req.eos_token_ids)
-        if stops and req.num_output_tokens >= sp.min_tokens:
-            req.stop_token_id = token if is_stop_id else None  # EOS is no "stop_reason" (vLLM)
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _request_output(self, req: Request, token: int | None, out: ModelRunnerOutput) -> RequestOutput:
-        lp = out.logprobs.get(req.request_id) if token is not None else None
-        finished = req.is_finished
-        return RequestOutput(
-            req.request_id,
-            (token,) if token is not None else (),
-            finished,
-            req.finish_reason if finished else None,
-            req.stop_token_id,
-            (lp,) if lp is not None else (),
-            len(req.prompt_token_ids),
-            len(req.output_token_ids),
-            req.metrics.num_cached_prompt_tokens,
-        )
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.status == RequestStatus.RUNNING:
