@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scheduler.kv_manager import cdiv  # noqa: E402
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from scheduler.sampling import SamplingParams  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
@@ -117,7 +118,7 @@ class Bench:
                                frozenset(), finished, frozenset())
 
     def _take(self, tokens: int) -> list[int]:
-        need = max(0, -(-tokens // self.bs))
+        need = max(0, cdiv(tokens, self.bs))
         if need > len(self.free):
             raise SystemExit(f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free)")
         taken, self.free = self.free[:need], self.free[need:]

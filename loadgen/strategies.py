@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from loadgen.cost_model import BatchShape, CostModel
 from loadgen.sim_result import KVUsage, SimResult, TimelinePoint, TokenClock
 from loadgen.workloads import WorkloadRequest
+from scheduler.kv_manager import cdiv
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class _FixedBatchRun:
         self.kv.add(usage, seconds)
         if self.record_timeline:
             waiting = bisect.bisect_right(self.arrivals, self.now) - queued_after
-            blocks = rows * -(-padded_len // self.cfg.block_size)
+            blocks = rows * cdiv(padded_len, self.cfg.block_size)
             self.timeline.append(TimelinePoint(self.now, rows, waiting, 0, blocks,
                                                batch.num_prefill_tokens, batch.num_decode_tokens))
 

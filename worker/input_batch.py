@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from scheduler.kv_manager import cdiv
 from scheduler.sampling import SamplingParams
 from worker.attention import AttentionMetadata, PrefillSpan
 
@@ -64,7 +65,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         # +1: with overlap a request may sample one token past max_model_len before it stops
         self.token_ids = np.zeros((rows, max_model_len + 1), dtype=np.int64)
-        self.block_table = np.zeros((rows, -(-max_model_len // block_size) + 1), dtype=np.int32)
+        self.block_table = np.zeros((rows, cdiv(max_model_len, block_size) + 1), dtype=np.int32)
         self.free_rows = list(range(rows - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
 
@@ -154,7 +155,7 @@ class InputBatch:
     def _check_known(self, scheduled: list[tuple[RequestState, int]], seq_lens: np.ndarray) -> None:
         """Every scheduled token must be known to the worker and have a cache slot."""
         for (state, _), seq_len in zip(scheduled, seq_lens.tolist(), strict=True):
-            if seq_len > state.num_tokens or -(-seq_len // self.block_size) > len(state.block_ids):
+            if seq_len > state.num_tokens or cdiv(seq_len, self.block_size) > len(state.block_ids):
                 raise RuntimeError(
                     f"request {state.req_id!r}: plan computes up to position {seq_len} but the worker "
                     f"has {state.num_tokens} tokens and {len(state.block_ids)} blocks"
@@ -166,12 +167,12 @@ class InputBatch:
     ) -> AttentionMetadata:
         bs = self.block_size
         num_decodes = int((counts == 1).sum())
-        max_blocks = -(-int(seq_lens.max()) // bs)
+        max_blocks = cdiv(int(seq_lens.max()), bs)
         tables = self._to_device(self.block_table[rows, :max_blocks], torch.int32)
         seq_lens_t = self._to_device(seq_lens, torch.int32)
         mask = None
         if num_decodes:
-            dec_blocks = -(-int(seq_lens[:num_decodes].max()) // bs)
+            dec_blocks = cdiv(int(seq_lens[:num_decodes].max()), bs)
             key_pos = torch.arange(dec_blocks * bs, device=self.device)
             mask = (key_pos[None, :] < seq_lens_t[:num_decodes, None]).view(num_decodes, 1, 1, -1)
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -180,7 +181,7 @@ class InputBatch:
                 token_start=int(starts[i]),
                 token_end=int(starts[i + 1]),
                 seq_len=int(seq_lens[i]),
-                block_ids=tables[i, : -(-int(seq_lens[i]) // bs)].long(),
+                block_ids=tables[i, : cdiv(int(seq_lens[i]), bs)].long(),
             )
             for i in range(num_decodes, len(scheduled))
         )

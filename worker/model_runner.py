@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from scheduler.kv_manager import cdiv
 from scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from worker.attention import make_attention_backend
 from worker.config import WorkerConfig, WorkerInfo
@@ -103,7 +104,7 @@ class ModelRunner:
         """Peak CUDA memory of a forward over max_num_batched_tokens (one long prefill)."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         bs = self.config.block_size
-        scratch = KVCache(self.model_config, -(-tokens // bs), bs, self.dtype, self.device)
+        scratch = KVCache(self.model_config, cdiv(tokens, bs), bs, self.dtype, self.device)
         batch = InputBatch(self.max_model_len, bs, self.device, rows=1)
         state = RequestState("profile", [0] * tokens, None, None)  # type: ignore[arg-type]
         batch.add(state)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.loader import model_cache_dir, resolve_model_path
-from worker.model_config import ModelConfig, ModelLoadError
+from worker.model_config import ModelLoadError
 
 Tokenizer = Any  # a transformers PreTrainedTokenizerBase; kept loose to avoid the import cost
 
@@ -47,14 +47,6 @@ def apply_chat_template(
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     # the template already contains any BOS token, so no special tokens are added again
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def eos_token_ids(tokenizer: Tokenizer, model_config: ModelConfig) -> tuple[int, ...]:
-    """End-of-sequence ids: the model config's (and generation config's) plus the tokenizer's."""
-    ids = list(model_config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(dict.fromkeys(ids))
 
 
 def _cache_dir(model: Path) -> Path:

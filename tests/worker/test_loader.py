@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from worker import loader
 from worker.loader import find_default_model, load_weights
 from worker.model_config import ModelConfig, ModelLoadError
-from worker.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from worker.tokenizer import apply_chat_template, load_tokenizer
 
 BASE_CFG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
@@ -199,7 +199,6 @@ def test_gguf_tokenizer_cache_matches_a_fresh_build(smol_tokenizer: Any, model_c
     assert cached.decode(ids).endswith("<|im_start|>assistant\n")
 
 
-def test_eos_ids_merge_config_and_tokenizer(smol_tokenizer: Any, smol_runner: Any) -> None:
-    assert eos_token_ids(smol_tokenizer, smol_runner.model_config) == (2,)
-    assert smol_runner.info.eos_token_ids == (2,)
+def test_eos_ids_agree_with_the_tokenizer(smol_tokenizer: Any, smol_runner: Any) -> None:
+    assert smol_runner.info.eos_token_ids == (2,) == (smol_tokenizer.eos_token_id,)
     assert smol_tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
