@@ -7,7 +7,8 @@ One run does everything, side by side:
      Poisson workload and measures;
   4. `stepserve simulate` replays the same workload (same generator, same seed, same
      scheduler flags and KV block count) on the calibrated profile.
-Prints JSON with both summaries' request throughput and median TTFT and their ratios.
+Prints JSON with both summaries' throughput, TTFT, TPOT and latency, the number of steps
+and the mean step time (the server's from its /metrics step histogram), and their ratios.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms")
+KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms",
+        "num_busy_steps", "mean_step_ms")
+# The calibration grid: decode batches at a short and a long context, prefill chunks fresh and
+# after a cached prefix, so the fit can tell per-step, per-request and per-KV-token costs apart.
+CALIBRATION = ["--batches", "1", "2", "4", "8", "16", "--context", "64", "512",
+               "--chunks", "32", "128", "512", "--chunk-context", "0", "256", "--repeat", "5"]
 
 
 def _free_port() -> int:
@@ -54,13 +62,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600)
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 2.0],
-                    help="one load run per rate (2.0 overloads this CPU: TTFT is then mostly queueing)")
+    ap.add_argument("--request-rates", type=float, nargs="+", default=[0.3, 0.6],
+                    help="one load run per rate; keep them under the server's capacity (~0.8 req/s with one "
+                         "worker thread here), where TTFT is not mostly queueing")
     ap.add_argument("--prompt-len", default="uniform:64:256")
     ap.add_argument("--output-len", default="uniform:16:64")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="worker threads, for calibration and server alike (default: all cores but one, "
+                         "which the engine, the HTTP front end and the load generator need)")
     ap.add_argument("--bench-json", default=None, help="reuse a worker_step.py output instead of running it")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-fidelity-"))
@@ -68,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.bench_json:
         with step_json.open("w") as f:
             subprocess.run(
-                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads),
-                 "--batches", "1", "4", "16", "--chunks", "64", "256", "512", "--repeat", "3"],
+                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads), *CALIBRATION],
                 check=True, cwd=ROOT, stdout=f,
             )
     profile = tmp / "cpu_profile.json"
@@ -90,9 +100,15 @@ def main(argv: list[str] | None = None) -> None:
             num_blocks = int(json.load(r)["num_gpu_blocks"])
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
             out = tmp / f"measured-{rate}.json"
+            before = _step_histogram(url)
             _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
                   *_workload(args, rate)])
+            after = _step_histogram(url)
             measured[rate] = json.loads(out.read_text())
+            steps = after[0] - before[0]
+            per_step = 1e3 / steps if steps else 0.0
+            measured[rate].update(num_busy_steps=steps, mean_step_ms=(after[1] - before[1]) * per_step,
+                                  mean_execute_ms=(after[2] - before[2]) * per_step)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -103,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
               "--num-gpu-blocks", str(num_blocks), "--result-json", str(out), *_workload(args, rate), *sched])
         simulated = json.loads(out.read_text())["summaries"]["continuous"]
         rows = {k: {"measured": measured[rate].get(k), "simulated": simulated.get(k)} for k in KEYS}
+        # the worker's own time per step, against the same simulated step time
+        rows["mean_execute_ms"] = {"measured": measured[rate]["mean_execute_ms"], "simulated": simulated.get("mean_step_ms")}
         for row in rows.values():
             m, sim = row["measured"], row["simulated"]
             row["ratio_sim_over_measured"] = (sim / m) if m and sim is not None else None
@@ -110,6 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"benchmark": "fidelity", "workload": _workload(args, None), "scheduler": sched,
                       "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
                       "runs": runs}, indent=2))
+
+
+def _step_histogram(url: str) -> tuple[float, float, float]:
+    """(count, sum in seconds) of the server's step-duration histogram, and the sum of the
+    worker's own execute times over the same steps."""
+    with urllib.request.urlopen(f"{url}/metrics") as r:
+        text = r.read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return (values["stepserve:step_duration_seconds_count"], values["stepserve:step_duration_seconds_sum"],
+            values["stepserve:model_execute_time_seconds_sum"])
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:

@@ -61,11 +61,12 @@ def timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def machine_rates(device: torch.device) -> dict[str, float]:
-    """Measured dense matmul FLOP/s (fp32, bf16) and copy bandwidth (bytes/s)."""
+def machine_rates(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
+    """Measured dense matmul FLOP/s (per dtype) and copy bandwidth (bytes/s)."""
     n = 4096 if device.type == "cuda" else 1024
     rates: dict[str, float] = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name in dtypes:
+        dtype = getattr(torch, name)
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         rates[f"matmul_flops_{name}"] = 2 * n**3 / timed(lambda a=a, b=b: a @ b, device, 5)
@@ -99,13 +100,16 @@ class Bench:
         self.live: dict[str, list[int]] = {}  # req id -> blocks
         self.computed: dict[str, int] = {}
 
-    def plan(self, new: dict[str, list[int]], run: dict[str, int], finished: frozenset[str] = frozenset()) -> SchedulerOutput:
+    def plan(self, new: dict[str, list[int]], run: dict[str, int], finished: frozenset[str] = frozenset(),
+             first_chunk: int | None = None) -> SchedulerOutput:
+        """New requests compute their whole prompt (or its first `first_chunk` tokens);
+        each running request in `run` computes that many more tokens."""
         new_reqs, cached, counts = [], [], {}
         for rid, prompt in new.items():
             self.live[rid] = self._take(len(prompt))
             self.computed[rid] = 0
             new_reqs.append(NewRequestData(rid, tuple(prompt), GREEDY, tuple(self.live[rid]), 0))
-            counts[rid] = len(prompt)
+            counts[rid] = min(len(prompt), first_chunk or len(prompt))
         for rid, n in run.items():
             grow = self._take(self.computed[rid] + n - len(self.live[rid]) * self.bs)
             self.live[rid] += grow
@@ -149,15 +153,29 @@ def bench_decode(bench: Bench, batch: int, context: int, repeat: int) -> float:
     return seconds
 
 
-def bench_prefill(bench: Bench, tokens: int, repeat: int) -> float:
-    """Median seconds of one fresh prefill chunk of `tokens` tokens."""
-    vocab = bench.runner.info.vocab_size
-
-    def once() -> None:
-        bench.runner.execute(bench.plan(prompts(1, tokens, vocab, seed=bench.step_id), {}))
+def bench_prefill(bench: Bench, tokens: int, repeat: int, context: int = 0) -> float:
+    """Median seconds of one prefill chunk of `tokens` tokens, after `context` tokens of the
+    same prompt were computed by an earlier (untimed) step."""
+    vocab, device = bench.runner.info.vocab_size, bench.runner.device
+    times = []
+    for i in range(repeat + 1):  # the first run warms up
+        prompt = prompts(1, context + tokens, vocab, seed=bench.step_id)
+        rid = next(iter(prompt))
+        if context:
+            bench.runner.execute(bench.plan(prompt, {}, first_chunk=context))
+            step = bench.plan({}, {rid: tokens})
+        else:
+            step = bench.plan(prompt, {})
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        bench.runner.execute(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
         bench.finish_all()
-
-    return timed(once, bench.runner.device, repeat)
+    return sorted(times)[len(times) // 2]
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
@@ -181,25 +199,33 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
     head_params = c.vocab_size * c.hidden_size
     matmul_params = info.num_params - head_params * (1 if c.tie_word_embeddings else 2)  # no embedding, no head
     flops_rate = rates[f"matmul_flops_{info.dtype}"] if f"matmul_flops_{info.dtype}" in rates else rates["matmul_flops_float32"]
-    decode = {}
-    for batch in args.batches:
-        step = bench_decode(bench, batch, args.context, args.repeat)
-        step_bytes = weight_bytes + batch * (args.context + 1) * info.kv_bytes_per_token
-        # every decode token also runs the LM head, so it counts as a matmul here
-        bound = max(step_bytes / rates["copy_bandwidth_bytes"], 2 * (matmul_params + head_params) * batch / flops_rate)
-        decode[str(batch)] = {
-            "step_ms": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
-            "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / step, 3),
-        }
-    prefill = {}
-    for tokens in args.chunks:
-        seconds = bench_prefill(bench, tokens, max(1, args.repeat // 2))
-        prefill[str(tokens)] = {
-            "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
-            "roofline_ms": round(2 * matmul_params * tokens / flops_rate * 1e3, 2),
-            "roofline_fraction": round(2 * matmul_params * tokens / flops_rate / seconds, 3),
-        }
-    return {"dtype": info.dtype, "decode": decode, "prefill": prefill}
+    decode, prefill, steps = {}, {}, []
+    for context in args.context:
+        for batch in args.batches:
+            step = bench_decode(bench, batch, context, args.repeat)
+            steps.append({"num_reqs": batch, "tokens_per_req": 1, "context": context, "step_ms": round(step * 1e3, 3)})
+            if context != args.context[0]:
+                continue
+            step_bytes = weight_bytes + batch * (context + 1) * info.kv_bytes_per_token
+            # every decode token also runs the LM head, so it counts as a matmul here
+            bound = max(step_bytes / rates["copy_bandwidth_bytes"], 2 * (matmul_params + head_params) * batch / flops_rate)
+            decode[str(batch)] = {
+                "step_ms": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
+                "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / step, 3),
+            }
+    for context in args.chunk_context:
+        for tokens in args.chunks:
+            seconds = bench_prefill(bench, tokens, max(1, args.repeat // 2), context)
+            steps.append({"num_reqs": 1, "tokens_per_req": tokens, "context": context,
+                          "step_ms": round(seconds * 1e3, 3)})
+            if context != args.chunk_context[0]:
+                continue
+            prefill[str(tokens)] = {
+                "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
+                "roofline_ms": round(2 * matmul_params * tokens / flops_rate * 1e3, 2),
+                "roofline_fraction": round(2 * matmul_params * tokens / flops_rate / seconds, 3),
+            }
+    return {"dtype": info.dtype, "decode": decode, "prefill": prefill, "steps": steps}
 
 
 def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
@@ -225,8 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--context", type=int, nargs="+", default=[256],
+                        help="decode context(s); the decode table uses the first, `steps` lists all "
+                             "(a grid of contexts is what `stepserve simulate calibrate` needs)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--chunk-context", type=int, nargs="+", default=[0],
+                        help="tokens already computed before each prefill chunk; the prefill table uses the first")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size")
@@ -234,18 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
-    rates = machine_rates(runner.device)
+    # fp32 always (the reference roof); bf16 when it is used or compared: on a CPU without
+    # native bf16 its 1024^3 matmul alone takes seconds
+    dtypes = ("float32",) if runner.info.dtype == "float32" and not args.compare_dtypes else ("float32", "bfloat16")
+    rates = machine_rates(runner.device, tuple(dict.fromkeys((*dtypes, runner.info.dtype))))
     report: dict[str, Any] = {
         "model": runner.info.model_name, "device": runner.info.device, "threads": torch.get_num_threads(),
         "attention_backend": runner.info.attention_backend, "num_params": runner.info.num_params,
-        "context": args.context, "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
+        "context": args.context[0], "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
         "machine_units": "GFLOP/s and GB/s", "results": [measure(runner, args, rates)],
     }
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner
         # the bf16 pass is kept short: without AVX-512 BF16 / AMX, CPU bf16 matmuls are slow
-        short = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "batches": [1, 8], "chunks": [256], "repeat": 3})
+        short = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "batches": [1, 8], "chunks": [256], "repeat": 3,
+                                      "context": args.context[:1], "chunk_context": [0]})
         other = build_runner(short)
         report["results"].append(measure(other, short, rates))
         alt = greedy_tokens(other, 8, 32, 32)

@@ -1,7 +1,8 @@
-"""Fit a `HardwareProfile` (effective FLOP/s, bandwidth, per-step overhead) to measured steps.
+"""Fit a `HardwareProfile` (effective FLOP/s, bandwidth, overheads) to measured steps.
 
-The model is ``t = max(a * FLOPs, b * bytes) + c`` with a = 1/FLOP/s, b = 1/bandwidth and
-c the overhead. It is linear once each step is known to be compute- or memory-bound, so
+The model is ``t = max(a * FLOPs, b * bytes) + c + d * requests + e * KV tokens read`` with
+a = 1/FLOP/s, b = 1/bandwidth and c, d, e the per-step, per-request and per-KV-token
+overheads. It is linear once each step is known to be compute- or memory-bound, so
 the fit alternates: assign each step to the roof the current parameters say bounds it,
 solve a (relative-error weighted) least-squares problem, repeat until the assignment is
 stable. Several starting points are tried and the best fit kept.
@@ -39,23 +40,24 @@ class Fit:
     num_compute_bound: int
 
 
-def _solve(f: np.ndarray, m: np.ndarray, r: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
-    """Non-negative least squares for (a, b, c, d) given which steps are compute-bound:
-    t = max(a * flops, b * bytes) + c + d * requests.
+def _solve(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
+    """Non-negative least squares for (a, b, c, d, e) given which steps are compute-bound:
+    t = max(a * flops, b * bytes) + c + d * requests + e * kv_tokens (`extra` holds the
+    requests and KV tokens columns).
 
-    With four unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
+    With five unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
     the best solution with no negative entry. A zero entry means "not measured" (a roof no
     step is assigned to) or "no overhead". None when no subset gives a valid solution.
     """
-    cols = np.stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), np.ones_like(t), r], axis=1)
+    cols = np.column_stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), np.ones_like(t), extra])
     cols /= t[:, None]  # relative errors: a 5 ms step weighs as much as a 5 s one
     target = np.ones_like(t)
     best, best_err = None, np.inf
-    for subset in itertools.product((False, True), repeat=4):
+    for subset in itertools.product((False, True), repeat=cols.shape[1]):
         used = np.array(subset) & cols.any(axis=0)
         if not used.any():
             continue
-        x = np.zeros(4)
+        x = np.zeros(cols.shape[1])
         x[used], *_ = np.linalg.lstsq(cols[:, used], target, rcond=None)
         err = float(np.sum((cols @ x - target) ** 2))
         if (x >= 0).all() and err < best_err:
@@ -63,28 +65,30 @@ def _solve(f: np.ndarray, m: np.ndarray, r: np.ndarray, t: np.ndarray, compute: 
     return best
 
 
-def _refine(f: np.ndarray, m: np.ndarray, r: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
+def _refine(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
     """Alternate roof assignment and least squares from `x0`; returns (params, rel_rmse)."""
     x = x0
     compute = x[0] * f >= x[1] * m
     for _ in range(50):
-        new = _solve(f, m, r, t, compute)
+        new = _solve(f, m, extra, t, compute)
         if new is None:
             break
-        a, b = new[0] or x[0], new[1] or x[1]  # an unused roof keeps its previous value
-        x = np.array([a, b, new[2], new[3]])
+        x = np.array([new[0] or x[0], new[1] or x[1], *new[2:]])  # an unused roof keeps its previous value
         nxt = x[0] * f >= x[1] * m
         if (nxt == compute).all():
             break
         compute = nxt
-    pred = np.maximum(x[0] * f, x[1] * m) + x[2] + x[3] * r
+    pred = np.maximum(x[0] * f, x[1] * m) + x[2] + extra @ x[3:]
     return x, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
 
 
 def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: HardwareProfile,
                 block_size: int = 16, name: str | None = None) -> Fit:
-    """Fit effective FLOP/s, bandwidth, per-step and per-request overhead; the host link is
-    kept from `base`.
+    """Fit effective FLOP/s, bandwidth and the per-step, per-request and per-KV-token
+    overheads; the host link is kept from `base`.
+
+    The overheads can only be told apart when the samples vary batch size and context:
+    `bench/worker_step.py --contexts ...` measures such a grid.
 
     A roof no sample reaches cannot be measured: it keeps `base`'s value (and the fit
     only guarantees it is not binding).
@@ -94,19 +98,21 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     cm = CostModel(shape, base, block_size)
     f = np.array([cm.flops(s.batch) for s in samples])
     m = np.array([cm.bytes(s.batch) for s in samples])
-    r = np.array([float(s.batch.num_reqs) for s in samples])
+    extra = np.array([[float(s.batch.num_reqs), float(s.batch.kv_tokens_read)] for s in samples])
     t = np.array([s.seconds for s in samples])
     if (t <= 0).any():
         raise ValueError("every measured step must take > 0 seconds")
-    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead, base.seq_overhead])
+    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead, base.seq_overhead,
+                       base.kv_token_overhead])
     starts = [x_base]
     for scale in (0.25, 4.0):
-        starts += [x_base * [scale, 1, 1, 1], x_base * [1, scale, 1, 1]]
-    best_x, best_err = min((_refine(f, m, r, t, x0) for x0 in starts), key=lambda res: res[1])
+        starts += [x_base * [scale, 1, 1, 1, 1], x_base * [1, scale, 1, 1, 1]]
+    best_x, best_err = min((_refine(f, m, extra, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
     profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
                               memory_bandwidth=float(1 / best_x[1]), host_bandwidth=base.host_bandwidth,
-                              step_overhead=float(best_x[2]), seq_overhead=float(best_x[3]))
+                              step_overhead=float(best_x[2]), seq_overhead=float(best_x[3]),
+                              kv_token_overhead=float(best_x[4]))
     return Fit(profile, best_err, len(samples), compute_bound)
 
 
@@ -126,12 +132,15 @@ def _seconds(rec: dict[str, Any]) -> float | None:
 
 
 def _worker_step_records(data: dict[str, Any], dtype: str | None) -> list[dict[str, Any]]:
-    """bench/worker_step.py's layout: per dtype, decode steps of B requests at `context`
-    tokens (keyed by B) and fresh prefill chunks of N tokens (keyed by N), with `step_ms`."""
+    """bench/worker_step.py's layout: per dtype, a `steps` list of every measured step; older
+    outputs only have decode steps of B requests at `context` tokens (keyed by B) and fresh
+    prefill chunks of N tokens (keyed by N), with `step_ms`."""
     results = data["results"]
     chosen = next((r for r in results if dtype is None or r.get("dtype") == dtype), None)
     if chosen is None:
         raise ValueError(f"the bench output has no results for dtype {dtype!r}")
+    if chosen.get("steps"):  # every measured step, with its context
+        return list(chosen["steps"])
     context = int(data.get("context", 0))
     records = [{"num_reqs": int(b), "tokens_per_req": 1, "context": context, **v}
                for b, v in chosen.get("decode", {}).items()]

@@ -3,7 +3,9 @@
 A step is described by a few aggregates over the requests it computes (`BatchShape`);
 its duration is::
 
-    max(FLOPs / peak_flops, bytes / memory_bandwidth) + step_overhead + swap_bytes / host_bandwidth
+    max(FLOPs / peak_flops, bytes / memory_bandwidth) + overheads + swap_bytes / host_bandwidth
+
+    overheads = step_overhead + seq_overhead * requests + kv_token_overhead * KV tokens read
 
 FLOPs count the dense matmuls per computed token, the LM head per sampled token and
 attention per (query, key) pair, so a request's context length matters. Bytes count the
@@ -137,6 +139,11 @@ class HardwareProfile:
     # small-matrix inefficiency, attention launches and sampling. ~0 on a GPU; on a CPU
     # worker it is what makes a decode token cost far more than its FLOPs (bench/RESULTS.md).
     seq_overhead: float = 0.0
+    # Seconds per KV token a request's attention reads, beyond the roofs. ~0 where attention
+    # is a fused paged kernel; on CPU the torch path gathers each request's blocks and runs
+    # SDPA on them, which costs ~10 us per context token (all layers) for SmolLM2 in fp32,
+    # so a decode at context 1024 costs far more than one at 64.
+    kv_token_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bandwidth", "host_bandwidth"):
@@ -144,8 +151,9 @@ class HardwareProfile:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.step_overhead < 0:
             raise ValueError(f"step_overhead must be >= 0 s, got {self.step_overhead}")
-        if self.seq_overhead < 0:
-            raise ValueError(f"seq_overhead must be >= 0 s, got {self.seq_overhead}")
+        for name in ("seq_overhead", "kv_token_overhead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
 
     @property
     def ridge_point(self) -> float:
@@ -156,7 +164,7 @@ class HardwareProfile:
         return {"name": self.name, "peak_flops": self.peak_flops,
                 "memory_bandwidth": self.memory_bandwidth,
                 "host_bandwidth": self.host_bandwidth, "step_overhead": self.step_overhead,
-                "seq_overhead": self.seq_overhead}
+                "seq_overhead": self.seq_overhead, "kv_token_overhead": self.kv_token_overhead}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
@@ -164,7 +172,8 @@ class HardwareProfile:
                    memory_bandwidth=float(data["memory_bandwidth"]),  # type: ignore[arg-type]
                    host_bandwidth=float(data["host_bandwidth"]),  # type: ignore[arg-type]
                    step_overhead=float(data["step_overhead"]),  # type: ignore[arg-type]
-                   seq_overhead=float(data.get("seq_overhead", 0.0)))  # type: ignore[arg-type]
+                   seq_overhead=float(data.get("seq_overhead", 0.0)),  # type: ignore[arg-type]
+                   kv_token_overhead=float(data.get("kv_token_overhead", 0.0)))  # type: ignore[arg-type]
 
 
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {
@@ -174,8 +183,9 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile("a100-80g", 312e12, 2.039e12, 16e9, 2e-3),
         HardwareProfile("h100", 989e12, 3.35e12, 32e9, 2e-3),
         HardwareProfile("h200", 989e12, 4.8e12, 32e9, 2e-3),
-        # Two Zen 4 cores in fp32; swap is a memcpy within the same RAM.
-        HardwareProfile("cpu", 170e9, 30e9, 30e9, 5e-3),
+        # Two AVX2 cores in fp32 running SmolLM2 (torch 2.13, 2 threads): the fit of a
+        # bench/worker_step.py grid (docs/simulator.md); swap is a memcpy within the same RAM.
+        HardwareProfile("cpu", 110e9, 30e9, 30e9, 60e-3, seq_overhead=1.5e-3, kv_token_overhead=8e-6),
     )
 }
 HARDWARE_ALIASES: dict[str, str] = {"a100": "a100-80g", "h100-80g": "h100", "h200-141g": "h200"}
@@ -280,7 +290,8 @@ class CostModel:
         return StepCost(flops=flops, bytes=nbytes, swap_bytes=swap,
                         compute_time=flops / hw.peak_flops, memory_time=nbytes / hw.memory_bandwidth,
                         swap_time=swap / hw.host_bandwidth,
-                        overhead=hw.step_overhead + hw.seq_overhead * batch.num_reqs)
+                        overhead=hw.step_overhead + hw.seq_overhead * batch.num_reqs
+                        + hw.kv_token_overhead * batch.kv_tokens_read)
 
     def step_time(self, batch: BatchShape) -> float:
         return self.step(batch).time

@@ -97,7 +97,9 @@ def format_roofline(table: dict[str, Any]) -> str:
         f"weights {m['weight_bytes'] / 1e9:.3g} GB, KV {m['kv_bytes_per_token']} B/token",
         f"hardware {hw['name']}: {hw['peak_flops'] / 1e12:.4g} TFLOP/s, "
         f"{hw['memory_bandwidth'] / 1e9:.4g} GB/s, host {hw['host_bandwidth'] / 1e9:.3g} GB/s, "
-        f"overhead {hw['step_overhead'] * 1e3:.3g} ms/step",
+        f"overhead {hw['step_overhead'] * 1e3:.3g} ms/step"
+        + (f" + {hw['seq_overhead'] * 1e3:.3g} ms/request" if hw.get("seq_overhead") else "")
+        + (f" + {hw['kv_token_overhead'] * 1e6:.3g} us/KV token" if hw.get("kv_token_overhead") else ""),
         f"ridge point: {hw['ridge_point']:.1f} FLOP/byte; decode batch to reach it: "
         f"{table['decode_batch_at_ridge']:.0f}",
         "",

@@ -78,6 +78,8 @@ class SimResult:
     max_kv_cache_usage: float = 0.0
     stop_reason: str = "done"  # "done" | "max_steps" | "max_time" | "stalled"
     timeline: list[TimelinePoint] = field(default_factory=list)
+    busy_time: float = 0.0  # virtual seconds spent in steps that computed something
+    num_busy_steps: int = 0  # steps that took time (what a live engine's step histogram counts)
 
     def summary(self, goodput: dict[str, float] | None = None) -> dict[str, Any]:
         """`loadgen.report.summarize` keys plus the simulator's own."""
@@ -92,21 +94,26 @@ class SimResult:
             mean_kv_cache_usage=self.mean_kv_cache_usage,
             max_kv_cache_usage=self.max_kv_cache_usage,
             stop_reason=self.stop_reason,
+            num_busy_steps=self.num_busy_steps,
+            mean_step_ms=self.busy_time / self.num_busy_steps * 1e3 if self.num_busy_steps else 0.0,
         )
         return out
 
 
 class KVUsage:
-    """Step-duration weighted mean and the max of the KV cache usage fraction."""
+    """Step-duration weighted mean and the max of the KV cache usage fraction, and the
+    time and number of steps that computed something."""
 
     def __init__(self) -> None:
         self.weighted = 0.0
         self.total_time = 0.0
+        self.busy_steps = 0
         self.max = 0.0
 
     def add(self, usage: float, seconds: float) -> None:
         self.weighted += usage * seconds
         self.total_time += seconds
+        self.busy_steps += seconds > 0
         self.max = max(self.max, usage)
 
     @property

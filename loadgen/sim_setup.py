@@ -24,7 +24,7 @@ from loadgen.sim_result import SimResult
 from loadgen.simulator import SimLimits, Simulator
 from loadgen.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, default_token_budget
 
 STRATEGIES = ("continuous", "static", "padding")
 
@@ -42,7 +42,8 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     d = SchedulerConfig()
     g = parser.add_argument_group("scheduler (vllm serve names)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"default {d.max_num_batched_tokens}; with chunked prefill off, at least the max model length")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt+output")
     g.add_argument("--block-size", type=int, default=d.block_size)
@@ -93,10 +94,12 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
     cpu_blocks = args.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
+    max_model_len = args.max_model_len or longest
+    budget = args.max_num_batched_tokens
     config = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget if budget is not None else default_token_budget(args.enable_chunked_prefill, max_model_len),
         max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len or longest,
+        max_model_len=max_model_len,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=cpu_blocks,

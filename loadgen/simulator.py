@@ -176,4 +176,4 @@ class _Run:
         stats = self.sched.stats()
         return SimResult("continuous", records, self.now, self.steps, stats.num_preemptions,
                          stats.num_swap_preemptions, unfinished, self.kv.mean, self.kv.max,
-                         reason, self.timeline)
+                         reason, self.timeline, self.kv.total_time, self.kv.busy_steps)

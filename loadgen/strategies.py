@@ -124,7 +124,7 @@ class _FixedBatchRun:
         records = [self.clock.record(rid, unfinished.get(rid)) for rid in self.clock.requests]
         return SimResult(name, records, self.now, self.steps, unfinished=unfinished,
                          mean_kv_cache_usage=self.kv.mean, max_kv_cache_usage=self.kv.max,
-                         timeline=self.timeline)
+                         timeline=self.timeline, busy_time=self.kv.total_time, num_busy_steps=self.kv.busy_steps)
 
 
 def simulate_static(workload: list[WorkloadRequest], cm: CostModel, cfg: FixedBatchConfig,

@@ -14,11 +14,20 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 VictimPolicy = Literal["newest", "priority"]
 
 
+DEFAULT_TOKEN_BUDGET = 2048
+
+
+def default_token_budget(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """`max_num_batched_tokens` when the user gives none (vLLM's rule): 2048, or enough for
+    a whole max-length prompt in one step when prompts cannot be chunked."""
+    return DEFAULT_TOKEN_BUDGET if enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Budgets, policies and preemption settings for one `Scheduler`."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     max_num_seqs: int = 128
     max_model_len: int = 2048
     block_size: int = 16

@@ -87,6 +87,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     error: str | None = None  # the step failed; the traceback is in the worker's log
+    # seconds the worker spent executing the plan (0: not measured); a timing, not part of
+    # what the output says, so equality ignores it
+    execute_time: float = field(default=0.0, compare=False)
 
 
 @dataclass(slots=True)

@@ -66,7 +66,8 @@ def _add_cache(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 2048; with chunked prefill off, at least the max model length)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in the running batch (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, capped at 8192 and at the KV cache)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts across steps (default on)")

@@ -272,7 +272,8 @@ class AsyncEngine:
             self.metrics.observe_stats(self._stats)
             if not step.plan.is_empty:
                 duration = now - max(step.submitted, self._last_output_time)
-                self.metrics.observe_step(step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration)
+                self.metrics.observe_step(step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration,
+                                          output.execute_time)
         self._last_output_time = now
         if not self._streams:
             self._idle.set()

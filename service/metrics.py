@@ -75,6 +75,9 @@ class ServiceMetrics:
         self.iteration_prefill_tokens = hist("iteration_prefill_tokens", "Prefill tokens per step.", _COUNT_BUCKETS)
         self.iteration_decode_tokens = hist("iteration_decode_tokens", "Decode tokens per step.", _COUNT_BUCKETS)
         self.step_duration = hist("step_duration_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
+        self.model_execute_time = hist(
+            "model_execute_time_seconds", "Worker time executing one plan (swaps, forward, sampling).", _LATENCY_BUCKETS
+        )
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Refresh gauges and cumulative counters from a scheduler snapshot."""
@@ -86,12 +89,16 @@ class ServiceMetrics:
         self._inc_cumulative("prefix_hits", self.prefix_cache_hits, stats.prefix_cache_hits)
         self._inc_cumulative("preemptions", self.num_preemptions, stats.num_preemptions)
 
-    def observe_step(self, num_reqs: int, prefill_tokens: int, decode_tokens: int, duration: float) -> None:
-        """One step's batch shape and wall time."""
+    def observe_step(self, num_reqs: int, prefill_tokens: int, decode_tokens: int, duration: float,
+                     execute_time: float = 0.0) -> None:
+        """One step's batch shape, wall time and (when the worker measured it) execute time.
+        The gap between the two is what the engine, the pipe and the front end add."""
         self.iteration_num_requests.observe(num_reqs)
         self.iteration_prefill_tokens.observe(prefill_tokens)
         self.iteration_decode_tokens.observe(decode_tokens)
         self.step_duration.observe(duration)
+        if execute_time > 0:
+            self.model_execute_time.observe(execute_time)
 
     def observe_tokens(self, num_new: int, *, first: bool, num_prompt: int, latency: float) -> None:
         """A request received `num_new` tokens; `latency` is TTFT when `first`, else ITL."""

@@ -14,6 +14,7 @@ output for that step; the worker keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import multiprocessing
@@ -21,6 +22,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -159,9 +161,11 @@ def _serve(conn: Connection, runner: Runner, inbox: queue.SimpleQueue[Message]) 
 
 
 def execute_step(runner: Runner, plan: SchedulerOutput) -> ModelRunnerOutput:
-    """Run one plan; an exception becomes an error output for that step."""
+    """Run one plan, timed; an exception becomes an error output for that step."""
+    start = time.perf_counter()
     try:
-        return runner.execute(plan)
+        output = runner.execute(plan)
+        return dataclasses.replace(output, execute_time=time.perf_counter() - start)
     except Exception as exc:
         logger.exception("step %d failed", plan.step_id)
         return ModelRunnerOutput(step_id=plan.step_id, sampled_token_ids={},

@@ -151,6 +151,30 @@ def test_calibrate_command_recovers_the_profile(tmp_path: Path, capsys: pytest.C
     assert get_hardware(str(out)).peak_flops == pytest.approx(TRUE_CPU.peak_flops, rel=1e-3)
 
 
+def test_calibration_separates_per_request_and_per_context_costs(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """With decode steps at several batch sizes and contexts (bench/worker_step.py's `steps`
+    records), the per-step, per-request and per-KV-token overheads are each recovered."""
+    truth = HardwareProfile("truth", peak_flops=110e9, memory_bandwidth=30e9, host_bandwidth=30e9,
+                            step_overhead=50e-3, seq_overhead=2e-3, kv_token_overhead=9e-6)
+    shape = MODEL_SHAPES["smollm2-135m"].with_dtype("float32")
+    steps = _timed_steps(CostModel(shape, truth))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "context": 256,
+                                 "results": [{"dtype": "float32", "decode": {}, "prefill": {}, "steps": steps}]}))
+    assert main(["calibrate", "--from", str(bench), "--out", str(tmp_path / "p.json")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_samples"] == len(steps) and report["rel_rmse"] < 1e-6
+    for key in ("peak_flops", "memory_bandwidth", "step_overhead", "seq_overhead", "kv_token_overhead"):
+        assert report["profile"][key] == pytest.approx(getattr(truth, key), rel=1e-3), key
+    # a decode at context 1024 costs more than one at 64 by exactly the KV tokens' overhead
+    cm = CostModel(shape, get_hardware(str(tmp_path / "p.json")))
+    short, long = BatchShape(), BatchShape()
+    short.add(1, 64, count=4)
+    long.add(1, 1024, count=4)
+    assert cm.step(long).overhead - cm.step(short).overhead == pytest.approx(4 * 960 * 9e-6, rel=1e-3)
+
+
 def test_calibration_tolerates_noise() -> None:
     shape = MODEL_SHAPES["smollm2-135m"].with_dtype("float32")
     cm = CostModel(shape, TRUE_CPU)

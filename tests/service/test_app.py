@@ -10,6 +10,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.detokenizer import decode
 from service.state import ServiceState
@@ -166,3 +167,15 @@ async def test_models_version_metrics(app: tuple[TestClient, ServiceState]) -> N
     for name in ("stepserve:generation_tokens_total", "stepserve:time_to_first_token_seconds_bucket", "stepserve:kv_cache_usage_perc", 'finished_reason="stop"'):
         assert name in text
     assert (await client.get("/health")).status == 200
+
+
+async def test_step_metrics_include_the_workers_execute_time(app: tuple[TestClient, ServiceState]) -> None:
+    """Every step the engine times also carries the worker's own execute time (measured in
+    the worker process), so /metrics separates model time from engine and pipe time."""
+    client, _ = app
+    await _complete(client, max_tokens=5, ignore_eos=True)
+    text = await (await client.get("/metrics")).text()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    steps = values["stepserve:step_duration_seconds_count"]
+    assert steps >= 5 and values["stepserve:model_execute_time_seconds_count"] == steps
+    assert values["stepserve:model_execute_time_seconds_sum"] > 0

@@ -109,40 +109,58 @@ def test_rope_scaling_matches_transformers(tiny_hf_dir: Any, scaling: dict[str, 
 
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                      max_q: int, max_k: int, causal: bool, block_table: torch.Tensor | None) -> torch.Tensor:
-    """flash_attn_varlen_func's contract (contiguous K/V, bottom-right causal) in plain torch."""
-    assert causal and block_table is None and k.shape[0] == int(cu_k[-1])
+    """flash_attn_varlen_func's documented contract in plain torch: bottom-right causal, GQA,
+    K/V either packed ([total_k, kv_heads, D] at cu_k offsets) or paged ([num_blocks,
+    page_size, kv_heads, D] with request i's pages in block_table[i])."""
+    assert causal
     out = torch.empty_like(q)
     for i in range(len(cu_q) - 1):
-        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        scores = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke].repeat_interleave(q.shape[1] // k.shape[1], 1))
-        pos_q = torch.arange(ke - ks - (qe - qs), ke - ks)
-        scores = scores.masked_fill(torch.arange(ke - ks)[None, None, :] > pos_q[None, :, None], float("-inf"))
+        qs, qe, n_k = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i + 1] - cu_k[i])
+        if block_table is None:
+            keys, values = k[int(cu_k[i]) : int(cu_k[i + 1])], v[int(cu_k[i]) : int(cu_k[i + 1])]
+        else:
+            pages = block_table[i, : -(-n_k // k.shape[1])].long()
+            keys, values = k[pages].flatten(0, 1)[:n_k], v[pages].flatten(0, 1)[:n_k]
+        group = q.shape[1] // keys.shape[1]
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe], keys.repeat_interleave(group, 1))
+        pos_q = torch.arange(n_k - (qe - qs), n_k)
+        scores = scores.masked_fill(torch.arange(n_k)[None, None, :] > pos_q[None, :, None], float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", (scores / q.shape[-1] ** 0.5).softmax(-1),
-                                  v[ks:ke].repeat_interleave(q.shape[1] // v.shape[1], 1))
+                                  values.repeat_interleave(group, 1))
     return out
 
 
-def test_flash_glue_matches_torch_backend() -> None:
-    """The flash backend's gather path (block size 4, not a multiple of 256) with a reference
-    kernel gives what the torch backend gives, for decodes and chunks over a filled cache."""
+@pytest.mark.parametrize(
+    ("block_size", "requests"),
+    [
+        (4, {"d0": (9, 1), "d1": (3, 1), "p0": (0, 11), "p1": (6, 5)}),  # gathers: 4 is no page size
+        (256, {"d0": (300, 1), "d1": (3, 1), "p0": (0, 11), "p1": (260, 5)}),  # pages via block_table
+    ],
+    ids=["gather", "paged"],
+)
+def test_flash_glue_matches_torch_backend(block_size: int, requests: dict[str, tuple[int, int]]) -> None:
+    """The flash backend's glue (sequence offsets, gather or block tables) with a reference
+    kernel gives what the torch backend gives, for decodes and chunks over a filled cache.
+    This checks our side of the call; the kernel itself only runs on CUDA (bench/gpu_check.sh)."""
     from worker.attention import FlashAttention
 
     torch.manual_seed(0)
-    batch = InputBatch(max_model_len=64, block_size=4, device=torch.device("cpu"))
-    free = list(range(40))
+    num_blocks = 40 if block_size == 4 else 8
+    batch = InputBatch(max_model_len=1024, block_size=block_size, device=torch.device("cpu"))
+    free = list(range(num_blocks))
     scheduled = []
-    for rid, (computed, n) in {"d0": (9, 1), "d1": (3, 1), "p0": (0, 11), "p1": (6, 5)}.items():
+    for rid, (computed, n) in requests.items():
         state = RequestState(rid, list(range(computed + n)), SamplingParams(), None, num_computed_tokens=computed)
         batch.add(state)
-        batch.set_blocks(state, [free.pop(7 % len(free)) for _ in range(-(-(computed + n) // 4))])
+        batch.set_blocks(state, [free.pop(7 % len(free)) for _ in range(-(-(computed + n) // block_size))])
         scheduled.append((state, n))
     meta = batch.prepare(scheduled).attn_metadata
-    k_cache, v_cache = torch.randn(2, 40, 4, 2, 8).unbind(0)
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, 2, 8).unbind(0)
     t = meta.num_tokens
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
     want = TorchAttention().forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta)
     flash = FlashAttention.__new__(FlashAttention)
-    flash._varlen, flash.paged = reference_varlen, False
+    flash._varlen, flash.paged = reference_varlen, block_size % 256 == 0
     got = flash.forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta)
     assert torch.allclose(got, want, atol=1e-5)
 

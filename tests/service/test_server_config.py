@@ -1,0 +1,35 @@
+"""How `stepserve serve` turns its flags and the worker's handshake into the scheduler's
+config: defaults that depend on other settings, and combinations refused before loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.cli_args import build_parser
+from service.server import main as serve_main
+from service.server import scheduler_config
+from worker.config import WorkerInfo
+
+
+def _info(max_model_len: int, num_gpu_blocks: int = 4096) -> WorkerInfo:
+    return WorkerInfo(model_name="m", model_path="m.gguf", architecture="LlamaForCausalLM", device="cpu",
+                      dtype="float32", attention_backend="torch", vocab_size=100, eos_token_ids=(2,),
+                      max_model_len=max_model_len, block_size=16, num_gpu_blocks=num_gpu_blocks,
+                      num_cpu_blocks=0, kv_bytes_per_token=1024, num_params=1)
+
+
+def test_token_budget_defaults_follow_chunked_prefill(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --max-num-batched-tokens the budget is 2048, or (chunked prefill off) the whole
+    max model length, as in vLLM; an explicit budget that could never fit a prompt is refused
+    before the model loads."""
+    parser = build_parser()
+    assert scheduler_config(parser.parse_args([]), _info(8192)).max_num_batched_tokens == 2048
+    unchunked = parser.parse_args(["--no-enable-chunked-prefill"])
+    config = scheduler_config(unchunked, _info(8192))
+    assert (config.max_num_batched_tokens, config.max_model_len) == (8192, 8192)
+    # the KV cache caps max_model_len, and the budget follows the capped value
+    assert scheduler_config(unchunked, _info(8192, num_gpu_blocks=256)).max_num_batched_tokens == 4096
+    explicit = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024"])
+    assert scheduler_config(explicit, _info(512)).max_num_batched_tokens == 1024
+    assert serve_main(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-model-len", "4096"]) == 2
+    assert "must be >= max_model_len" in capsys.readouterr().err
