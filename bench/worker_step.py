@@ -10,6 +10,10 @@ Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy ba
 params (no embedding, no head) * tokens / matmul rate; attention FLOPs are left out. The
 fractions are roofline time / measured time; the machine rates are measured in the same run,
 on square 1024 matmuls on CPU, so a model's larger matmuls can beat them (fraction > 1).
+
+Every step shape is timed once per round, over `--repeat` rounds, and its median kept.
+`steps` lists every measured shape (also those at the extra `--context` / `--chunk-context`
+values), which is what `stepserve simulate calibrate` fits a hardware profile to.
 """
 
 from __future__ import annotations
@@ -124,16 +128,19 @@ class Bench:
     def _take(self, tokens: int) -> list[int]:
         need = max(0, cdiv(tokens, self.bs))
         if need > len(self.free):
-            raise SystemExit(f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free)")
+            raise SystemExit(f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free): "
+                             "every decode batch is kept for the whole run; raise --kv-cache-gib")
         taken, self.free = self.free[:need], self.free[need:]
         return taken
 
+    def finish(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.free += self.live.pop(rid)
+            del self.computed[rid]
+        self.runner.execute(self.plan({}, {}, finished=frozenset(req_ids)))
+
     def finish_all(self) -> None:
-        done = frozenset(self.live)
-        for blocks in self.live.values():
-            self.free += blocks
-        self.live, self.computed = {}, {}
-        self.runner.execute(self.plan({}, {}, finished=done))
+        self.finish(list(self.live))
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> dict[str, list[int]]:
@@ -141,41 +148,60 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> dict[str, list[int]]:
     return {f"r{seed}-{i}": torch.randint(10, vocab, (length,), generator=gen).tolist() for i in range(n)}
 
 
-def bench_decode(bench: Bench, batch: int, context: int, repeat: int) -> float:
-    """Median seconds of one decode step of `batch` requests at ~`context` tokens."""
-    reqs = prompts(batch, context, bench.runner.info.vocab_size, seed=batch)
+def start_decodes(bench: Bench, batch: int, context: int) -> list[str]:
+    """Prefill `batch` requests of `context` tokens (untimed); returns their ids."""
+    reqs = prompts(batch, context, bench.runner.info.vocab_size, seed=10**7 + batch * 10**5 + context)
     ids = list(reqs)
-    for start in range(0, batch, max(1, 4096 // context)):  # prefill a few requests per step
-        chunk = {rid: reqs[rid] for rid in ids[start : start + max(1, 4096 // context)]}
-        bench.runner.execute(bench.plan(chunk, {}))
-    seconds = timed(lambda: bench.runner.execute(bench.plan({}, dict.fromkeys(ids, 1))), bench.runner.device, repeat)
-    bench.finish_all()
+    per_step = max(1, 4096 // context)  # prefill a few requests per step
+    for start in range(0, batch, per_step):
+        bench.runner.execute(bench.plan({rid: reqs[rid] for rid in ids[start : start + per_step]}, {}))
+    return ids
+
+
+def timed_execute(bench: Bench, plan: SchedulerOutput) -> float:
+    device = bench.runner.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    bench.runner.execute(plan)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def prefill_once(bench: Bench, tokens: int, context: int) -> float:
+    """Seconds of one prefill chunk of `tokens` tokens, after `context` tokens of the same
+    prompt were computed by an earlier (untimed) step."""
+    prompt = prompts(1, context + tokens, bench.runner.info.vocab_size, seed=bench.step_id)
+    rid = next(iter(prompt))
+    if context:
+        bench.runner.execute(bench.plan(prompt, {}, first_chunk=context))
+        seconds = timed_execute(bench, bench.plan({}, {rid: tokens}))
+    else:
+        seconds = timed_execute(bench, bench.plan(prompt, {}))
+    bench.finish([rid])
     return seconds
 
 
-def bench_prefill(bench: Bench, tokens: int, repeat: int, context: int = 0) -> float:
-    """Median seconds of one prefill chunk of `tokens` tokens, after `context` tokens of the
-    same prompt were computed by an earlier (untimed) step."""
-    vocab, device = bench.runner.info.vocab_size, bench.runner.device
-    times = []
-    for i in range(repeat + 1):  # the first run warms up
-        prompt = prompts(1, context + tokens, vocab, seed=bench.step_id)
-        rid = next(iter(prompt))
-        if context:
-            bench.runner.execute(bench.plan(prompt, {}, first_chunk=context))
-            step = bench.plan({}, {rid: tokens})
-        else:
-            step = bench.plan(prompt, {})
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        bench.runner.execute(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-        bench.finish_all()
-    return sorted(times)[len(times) // 2]
+def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tuple[int, int]],
+                  rounds: int) -> dict[tuple[str, int, int], float]:
+    """Median seconds of each step shape: ("decode", batch, context) and ("prefill", tokens,
+    context). Every decode batch is prefilled first and kept; then each round times every
+    shape once (round 0 warms up), so a slow spell of a shared machine spreads over all
+    shapes instead of skewing the few measured during it."""
+    groups = {(b, c): start_decodes(bench, b, c) for b, c in decodes}
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for r in range(rounds + 1):
+        for (b, c), ids in groups.items():
+            seconds = timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1)))
+            if r:
+                times.setdefault(("decode", b, c), []).append(seconds)
+        for n, c in chunks:
+            seconds = prefill_once(bench, n, c)
+            if r:
+                times.setdefault(("prefill", n, c), []).append(seconds)
+    bench.finish_all()
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
@@ -199,31 +225,26 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
     head_params = c.vocab_size * c.hidden_size
     matmul_params = info.num_params - head_params * (1 if c.tie_word_embeddings else 2)  # no embedding, no head
     flops_rate = rates[f"matmul_flops_{info.dtype}"] if f"matmul_flops_{info.dtype}" in rates else rates["matmul_flops_float32"]
+    measured = measure_steps(bench, [(b, c) for c in args.context for b in args.batches],
+                             [(n, c) for c in args.chunk_context for n in args.chunks], args.repeat)
     decode, prefill, steps = {}, {}, []
-    for context in args.context:
-        for batch in args.batches:
-            step = bench_decode(bench, batch, context, args.repeat)
-            steps.append({"num_reqs": batch, "tokens_per_req": 1, "context": context, "step_ms": round(step * 1e3, 3)})
-            if context != args.context[0]:
-                continue
+    for (kind, n, context), seconds in measured.items():
+        batch, tokens = (n, 1) if kind == "decode" else (1, n)
+        steps.append({"num_reqs": batch, "tokens_per_req": tokens, "context": context,
+                      "step_ms": round(seconds * 1e3, 3)})
+        if kind == "decode" and context == args.context[0]:
             step_bytes = weight_bytes + batch * (context + 1) * info.kv_bytes_per_token
             # every decode token also runs the LM head, so it counts as a matmul here
             bound = max(step_bytes / rates["copy_bandwidth_bytes"], 2 * (matmul_params + head_params) * batch / flops_rate)
             decode[str(batch)] = {
-                "step_ms": round(step * 1e3, 3), "tokens_per_s": round(batch / step, 1),
-                "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / step, 3),
+                "step_ms": round(seconds * 1e3, 3), "tokens_per_s": round(batch / seconds, 1),
+                "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / seconds, 3),
             }
-    for context in args.chunk_context:
-        for tokens in args.chunks:
-            seconds = bench_prefill(bench, tokens, max(1, args.repeat // 2), context)
-            steps.append({"num_reqs": 1, "tokens_per_req": tokens, "context": context,
-                          "step_ms": round(seconds * 1e3, 3)})
-            if context != args.chunk_context[0]:
-                continue
+        elif kind == "prefill" and context == args.chunk_context[0]:
+            bound = 2 * matmul_params * tokens / flops_rate
             prefill[str(tokens)] = {
                 "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
-                "roofline_ms": round(2 * matmul_params * tokens / flops_rate * 1e3, 2),
-                "roofline_fraction": round(2 * matmul_params * tokens / flops_rate / seconds, 3),
+                "roofline_ms": round(bound * 1e3, 2), "roofline_fraction": round(bound / seconds, 3),
             }
     return {"dtype": info.dtype, "decode": decode, "prefill": prefill, "steps": steps}
 
@@ -257,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--chunk-context", type=int, nargs="+", default=[0],
                         help="tokens already computed before each prefill chunk; the prefill table uses the first")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds over all step shapes (median kept)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU KV cache size")
     parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")

@@ -1,8 +1,8 @@
 """Fit a `HardwareProfile` (effective FLOP/s, bandwidth, overheads) to measured steps.
 
-The model is ``t = max(a * FLOPs, b * bytes) + c + d * requests + e * KV tokens read`` with
-a = 1/FLOP/s, b = 1/bandwidth and c, d, e the per-step, per-request and per-KV-token
-overheads. It is linear once each step is known to be compute- or memory-bound, so
+The model is ``t = max(a * FLOPs, b * bytes) + c + d * requests + e * KV tokens read
++ g * [more than one token]`` with a = 1/FLOP/s, b = 1/bandwidth and c, d, e, g the
+per-step, per-request, per-KV-token and multi-token overheads (see `HardwareProfile`). It is linear once each step is known to be compute- or memory-bound, so
 the fit alternates: assign each step to the roof the current parameters say bounds it,
 solve a (relative-error weighted) least-squares problem, repeat until the assignment is
 stable. Several starting points are tried and the best fit kept.
@@ -41,11 +41,11 @@ class Fit:
 
 
 def _solve(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
-    """Non-negative least squares for (a, b, c, d, e) given which steps are compute-bound:
-    t = max(a * flops, b * bytes) + c + d * requests + e * kv_tokens (`extra` holds the
-    requests and KV tokens columns).
+    """Non-negative least squares for (a, b, c, d, e, g) given which steps are compute-bound:
+    t = max(a * flops, b * bytes) + c + d * requests + e * kv_tokens + g * multi_token
+    (`extra` holds the last three columns).
 
-    With five unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
+    With six unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
     the best solution with no negative entry. A zero entry means "not measured" (a roof no
     step is assigned to) or "no overhead". None when no subset gives a valid solution.
     """
@@ -84,8 +84,8 @@ def _refine(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, x0: 
 
 def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: HardwareProfile,
                 block_size: int = 16, name: str | None = None) -> Fit:
-    """Fit effective FLOP/s, bandwidth and the per-step, per-request and per-KV-token
-    overheads; the host link is kept from `base`.
+    """Fit effective FLOP/s, bandwidth and the per-step, per-request, per-KV-token and
+    multi-token overheads; the host link is kept from `base`.
 
     The overheads can only be told apart when the samples vary batch size and context:
     `bench/worker_step.py --contexts ...` measures such a grid.
@@ -98,21 +98,22 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     cm = CostModel(shape, base, block_size)
     f = np.array([cm.flops(s.batch) for s in samples])
     m = np.array([cm.bytes(s.batch) for s in samples])
-    extra = np.array([[float(s.batch.num_reqs), float(s.batch.kv_tokens_read)] for s in samples])
+    extra = np.array([[float(s.batch.num_reqs), float(s.batch.kv_tokens_read), float(s.batch.num_tokens > 1)]
+                      for s in samples])
     t = np.array([s.seconds for s in samples])
     if (t <= 0).any():
         raise ValueError("every measured step must take > 0 seconds")
     x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead, base.seq_overhead,
-                       base.kv_token_overhead])
+                       base.kv_token_overhead, base.multi_token_overhead])
     starts = [x_base]
     for scale in (0.25, 4.0):
-        starts += [x_base * [scale, 1, 1, 1, 1], x_base * [1, scale, 1, 1, 1]]
+        starts += [x_base * [scale, 1, 1, 1, 1, 1], x_base * [1, scale, 1, 1, 1, 1]]
     best_x, best_err = min((_refine(f, m, extra, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
     profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
                               memory_bandwidth=float(1 / best_x[1]), host_bandwidth=base.host_bandwidth,
                               step_overhead=float(best_x[2]), seq_overhead=float(best_x[3]),
-                              kv_token_overhead=float(best_x[4]))
+                              kv_token_overhead=float(best_x[4]), multi_token_overhead=float(best_x[5]))
     return Fit(profile, best_err, len(samples), compute_bound)
 
 

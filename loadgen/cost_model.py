@@ -6,6 +6,7 @@ its duration is::
     max(FLOPs / peak_flops, bytes / memory_bandwidth) + overheads + swap_bytes / host_bandwidth
 
     overheads = step_overhead + seq_overhead * requests + kv_token_overhead * KV tokens read
+                + multi_token_overhead (only when the step computes more than one token)
 
 FLOPs count the dense matmuls per computed token, the LM head per sampled token and
 attention per (query, key) pair, so a request's context length matters. Bytes count the
@@ -144,6 +145,11 @@ class HardwareProfile:
     # SDPA on them, which costs ~10 us per context token (all layers) for SmolLM2 in fp32,
     # so a decode at context 1024 costs far more than one at 64.
     kv_token_overhead: float = 0.0
+    # Seconds added to a step that computes more than one token. CPU BLAS runs a one-token
+    # step as matrix-vector products that stream the weights once, and anything larger as
+    # matrix-matrix products that pack the weights first: on this CPU a 2-request decode
+    # costs ~45 ms more than a 1-request one, and 8 requests barely more than 2. ~0 on a GPU.
+    multi_token_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bandwidth", "host_bandwidth"):
@@ -151,7 +157,7 @@ class HardwareProfile:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.step_overhead < 0:
             raise ValueError(f"step_overhead must be >= 0 s, got {self.step_overhead}")
-        for name in ("seq_overhead", "kv_token_overhead"):
+        for name in ("seq_overhead", "kv_token_overhead", "multi_token_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
 
@@ -164,7 +170,8 @@ class HardwareProfile:
         return {"name": self.name, "peak_flops": self.peak_flops,
                 "memory_bandwidth": self.memory_bandwidth,
                 "host_bandwidth": self.host_bandwidth, "step_overhead": self.step_overhead,
-                "seq_overhead": self.seq_overhead, "kv_token_overhead": self.kv_token_overhead}
+                "seq_overhead": self.seq_overhead, "kv_token_overhead": self.kv_token_overhead,
+                "multi_token_overhead": self.multi_token_overhead}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
@@ -173,7 +180,8 @@ class HardwareProfile:
                    host_bandwidth=float(data["host_bandwidth"]),  # type: ignore[arg-type]
                    step_overhead=float(data["step_overhead"]),  # type: ignore[arg-type]
                    seq_overhead=float(data.get("seq_overhead", 0.0)),  # type: ignore[arg-type]
-                   kv_token_overhead=float(data.get("kv_token_overhead", 0.0)))  # type: ignore[arg-type]
+                   kv_token_overhead=float(data.get("kv_token_overhead", 0.0)),  # type: ignore[arg-type]
+                   multi_token_overhead=float(data.get("multi_token_overhead", 0.0)))  # type: ignore[arg-type]
 
 
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {
@@ -185,7 +193,8 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile("h200", 989e12, 4.8e12, 32e9, 2e-3),
         # Two AVX2 cores in fp32 running SmolLM2 (torch 2.13, 2 threads): the fit of a
         # bench/worker_step.py grid (docs/simulator.md); swap is a memcpy within the same RAM.
-        HardwareProfile("cpu", 110e9, 30e9, 30e9, 60e-3, seq_overhead=1.5e-3, kv_token_overhead=8e-6),
+        HardwareProfile("cpu", 120e9, 14e9, 30e9, 22e-3, seq_overhead=1.5e-3, kv_token_overhead=6e-6,
+                        multi_token_overhead=50e-3),
     )
 }
 HARDWARE_ALIASES: dict[str, str] = {"a100": "a100-80g", "h100-80g": "h100", "h200-141g": "h200"}
@@ -291,7 +300,8 @@ class CostModel:
                         compute_time=flops / hw.peak_flops, memory_time=nbytes / hw.memory_bandwidth,
                         swap_time=swap / hw.host_bandwidth,
                         overhead=hw.step_overhead + hw.seq_overhead * batch.num_reqs
-                        + hw.kv_token_overhead * batch.kv_tokens_read)
+                        + hw.kv_token_overhead * batch.kv_tokens_read
+                        + (hw.multi_token_overhead if batch.num_tokens > 1 else 0.0))
 
     def step_time(self, batch: BatchShape) -> float:
         return self.step(batch).time

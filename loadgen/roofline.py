@@ -99,7 +99,8 @@ def format_roofline(table: dict[str, Any]) -> str:
         f"{hw['memory_bandwidth'] / 1e9:.4g} GB/s, host {hw['host_bandwidth'] / 1e9:.3g} GB/s, "
         f"overhead {hw['step_overhead'] * 1e3:.3g} ms/step"
         + (f" + {hw['seq_overhead'] * 1e3:.3g} ms/request" if hw.get("seq_overhead") else "")
-        + (f" + {hw['kv_token_overhead'] * 1e6:.3g} us/KV token" if hw.get("kv_token_overhead") else ""),
+        + (f" + {hw['kv_token_overhead'] * 1e6:.3g} us/KV token" if hw.get("kv_token_overhead") else "")
+        + (f" + {hw['multi_token_overhead'] * 1e3:.3g} ms/multi-token step" if hw.get("multi_token_overhead") else ""),
         f"ridge point: {hw['ridge_point']:.1f} FLOP/byte; decode batch to reach it: "
         f"{table['decode_batch_at_ridge']:.0f}",
         "",

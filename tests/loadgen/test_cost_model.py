@@ -156,7 +156,8 @@ def test_calibration_separates_per_request_and_per_context_costs(tmp_path: Path,
     """With decode steps at several batch sizes and contexts (bench/worker_step.py's `steps`
     records), the per-step, per-request and per-KV-token overheads are each recovered."""
     truth = HardwareProfile("truth", peak_flops=110e9, memory_bandwidth=30e9, host_bandwidth=30e9,
-                            step_overhead=50e-3, seq_overhead=2e-3, kv_token_overhead=9e-6)
+                            step_overhead=50e-3, seq_overhead=2e-3, kv_token_overhead=9e-6,
+                            multi_token_overhead=40e-3)
     shape = MODEL_SHAPES["smollm2-135m"].with_dtype("float32")
     steps = _timed_steps(CostModel(shape, truth))
     bench = tmp_path / "bench.json"
@@ -165,7 +166,8 @@ def test_calibration_separates_per_request_and_per_context_costs(tmp_path: Path,
     assert main(["calibrate", "--from", str(bench), "--out", str(tmp_path / "p.json")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_samples"] == len(steps) and report["rel_rmse"] < 1e-6
-    for key in ("peak_flops", "memory_bandwidth", "step_overhead", "seq_overhead", "kv_token_overhead"):
+    for key in ("peak_flops", "memory_bandwidth", "step_overhead", "seq_overhead", "kv_token_overhead",
+                "multi_token_overhead"):
         assert report["profile"][key] == pytest.approx(getattr(truth, key), rel=1e-3), key
     # a decode at context 1024 costs more than one at 64 by exactly the KV tokens' overhead
     cm = CostModel(shape, get_hardware(str(tmp_path / "p.json")))
@@ -173,6 +175,11 @@ def test_calibration_separates_per_request_and_per_context_costs(tmp_path: Path,
     short.add(1, 64, count=4)
     long.add(1, 1024, count=4)
     assert cm.step(long).overhead - cm.step(short).overhead == pytest.approx(4 * 960 * 9e-6, rel=1e-3)
+    # and a one-token step skips the multi-token overhead that a two-token step pays
+    one, two = BatchShape(), BatchShape()
+    one.add(1, 64)
+    two.add(1, 64, count=2)
+    assert cm.step(two).overhead - cm.step(one).overhead == pytest.approx(40e-3 + 2e-3 + 65 * 9e-6, rel=1e-3)
 
 
 def test_calibration_tolerates_noise() -> None:

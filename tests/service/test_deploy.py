@@ -102,4 +102,3 @@ def test_serve_help_documents_every_flag() -> None:
     names = {s for a in parser._actions for s in a.option_strings}
     vllm = {"--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--block-size", "--enable-chunked-prefill", "--long-prefill-token-threshold", "--preemption-mode", "--scheduling-policy", "--enable-prefix-caching", "--swap-space", "--api-key", "--gpu-memory-utilization", "--served-model-name"}
     assert vllm <= names
-
