@@ -42,7 +42,9 @@ def _free_port() -> int:
 
 
 def _run(args: list[str]) -> None:
-    subprocess.run([sys.executable, *args], check=True, cwd=ROOT, stdout=sys.stderr)
+    """Run a stepserve command; its report goes to our stderr, keeping stdout for the JSON."""
+    done = subprocess.run([sys.executable, *args], check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sys.stderr.write(done.stdout)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
          "--num-threads", str(args.threads), *sched],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=sys.stderr,
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
     )
     measured: dict[float, dict[str, float]] = {}
     try:
