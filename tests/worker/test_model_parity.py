@@ -171,3 +171,17 @@ def test_flash_attn_backend_request_is_checked() -> None:
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device"):
         make_attention_backend("flash_attn", torch.device("cpu"), 16, torch.float32)
     assert make_attention_backend("auto", torch.device("cpu"), 16, torch.float32).name == "torch"
+
+
+def test_gather_workspace_is_reused_and_matches_a_fresh_gather() -> None:
+    from worker.attention import GatherWorkspace, gather_blocks
+
+    cache = torch.randn(10, 4, 2, 8)
+    ws = GatherWorkspace()
+    big = ws.gather(cache, torch.tensor([3, 1, 4, 0, 5]), 0)
+    first_ptr = big.data_ptr()
+    small_ids = torch.tensor([9, 2])
+    small = ws.gather(cache, small_ids, 0)  # fits in the buffer the larger gather made
+    assert small.data_ptr() == first_ptr
+    assert torch.equal(small, gather_blocks(cache, small_ids))
+    assert torch.equal(ws.gather(cache, small_ids, 1), small) and ws.gather(cache, small_ids, 1).data_ptr() != first_ptr
