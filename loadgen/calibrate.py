@@ -88,7 +88,7 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     multi-token overheads; the host link is kept from `base`.
 
     The overheads can only be told apart when the samples vary batch size and context:
-    `bench/worker_step.py --contexts ...` measures such a grid.
+    `bench/worker_step.py --context 64 512 --chunk-context 0 256 ...` measures such a grid.
 
     A roof no sample reaches cannot be measured: it keeps `base`'s value (and the fit
     only guarantees it is not binding).
