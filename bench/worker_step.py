@@ -50,19 +50,25 @@ MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
 
 
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one call of `fn`, device work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
     """Median seconds of `fn` over `repeat` runs after one warm-up."""
     fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return median([time_once(fn, device) for _ in range(repeat)])
 
 
 def machine_rates(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
@@ -159,14 +165,7 @@ def start_decodes(bench: Bench, batch: int, context: int) -> list[str]:
 
 
 def timed_execute(bench: Bench, plan: SchedulerOutput) -> float:
-    device = bench.runner.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    bench.runner.execute(plan)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return time_once(lambda: bench.runner.execute(plan), bench.runner.device)
 
 
 def prefill_once(bench: Bench, tokens: int, context: int) -> float:
@@ -201,7 +200,7 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
             if r:
                 times.setdefault(("prefill", n, c), []).append(seconds)
     bench.finish_all()
-    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    return {key: median(v) for key, v in times.items()}
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:

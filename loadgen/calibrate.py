@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.cost_model import BatchShape, CostModel, HardwareProfile, ModelShape, get_model_shape
+from loadgen.cost_model import (
+    OVERHEADS,
+    BatchShape,
+    CostModel,
+    HardwareProfile,
+    ModelShape,
+    get_model_shape,
+    overhead_terms,
+)
 
 
 @dataclass(frozen=True)
@@ -40,16 +48,16 @@ class Fit:
     num_compute_bound: int
 
 
-def _solve(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
+def _solve(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
     """Non-negative least squares for (a, b, c, d, e, g) given which steps are compute-bound:
-    t = max(a * flops, b * bytes) + c + d * requests + e * kv_tokens + g * multi_token
-    (`extra` holds the last three columns).
+    t = max(a * flops, b * bytes) + terms @ (c, d, e, g), `terms` being each step's
+    `overhead_terms`.
 
     With six unknowns, exact NNLS is cheap: solve on every subset of the columns and keep
     the best solution with no negative entry. A zero entry means "not measured" (a roof no
     step is assigned to) or "no overhead". None when no subset gives a valid solution.
     """
-    cols = np.column_stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), np.ones_like(t), extra])
+    cols = np.column_stack([np.where(compute, f, 0.0), np.where(compute, 0.0, m), terms])
     cols /= t[:, None]  # relative errors: a 5 ms step weighs as much as a 5 s one
     target = np.ones_like(t)
     best, best_err = None, np.inf
@@ -65,12 +73,12 @@ def _solve(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, compu
     return best
 
 
-def _refine(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
+def _refine(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
     """Alternate roof assignment and least squares from `x0`; returns (params, rel_rmse)."""
     x = x0
     compute = x[0] * f >= x[1] * m
     for _ in range(50):
-        new = _solve(f, m, extra, t, compute)
+        new = _solve(f, m, terms, t, compute)
         if new is None:
             break
         x = np.array([new[0] or x[0], new[1] or x[1], *new[2:]])  # an unused roof keeps its previous value
@@ -78,7 +86,7 @@ def _refine(f: np.ndarray, m: np.ndarray, extra: np.ndarray, t: np.ndarray, x0: 
         if (nxt == compute).all():
             break
         compute = nxt
-    pred = np.maximum(x[0] * f, x[1] * m) + x[2] + extra @ x[3:]
+    pred = np.maximum(x[0] * f, x[1] * m) + terms @ x[2:]
     return x, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
 
 
@@ -98,22 +106,22 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     cm = CostModel(shape, base, block_size)
     f = np.array([cm.flops(s.batch) for s in samples])
     m = np.array([cm.bytes(s.batch) for s in samples])
-    extra = np.array([[float(s.batch.num_reqs), float(s.batch.kv_tokens_read), float(s.batch.num_tokens > 1)]
-                      for s in samples])
+    terms = np.array([overhead_terms(s.batch) for s in samples])
     t = np.array([s.seconds for s in samples])
     if (t <= 0).any():
         raise ValueError("every measured step must take > 0 seconds")
-    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, base.step_overhead, base.seq_overhead,
-                       base.kv_token_overhead, base.multi_token_overhead])
+    x_base = np.array([1 / base.peak_flops, 1 / base.memory_bandwidth, *base.overheads])
     starts = [x_base]
     for scale in (0.25, 4.0):
-        starts += [x_base * [scale, 1, 1, 1, 1, 1], x_base * [1, scale, 1, 1, 1, 1]]
-    best_x, best_err = min((_refine(f, m, extra, t, x0) for x0 in starts), key=lambda res: res[1])
+        for roof in (0, 1):
+            x0 = x_base.copy()
+            x0[roof] *= scale
+            starts.append(x0)
+    best_x, best_err = min((_refine(f, m, terms, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
     profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
                               memory_bandwidth=float(1 / best_x[1]), host_bandwidth=base.host_bandwidth,
-                              step_overhead=float(best_x[2]), seq_overhead=float(best_x[3]),
-                              kv_token_overhead=float(best_x[4]), multi_token_overhead=float(best_x[5]))
+                              **{field: float(v) for field, v in zip(OVERHEADS, best_x[2:], strict=True)})
     return Fit(profile, best_err, len(samples), compute_bound)
 
 

@@ -18,7 +18,7 @@ request's context and written for each new token. Swap copies are serial with th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -166,22 +166,26 @@ class HardwareProfile:
         """FLOPs per byte above which a kernel is compute-bound."""
         return self.peak_flops / self.memory_bandwidth
 
+    @property
+    def overheads(self) -> tuple[float, ...]:
+        """The overhead parameters, in the order of `overhead_terms`."""
+        return tuple(getattr(self, name) for name in OVERHEADS)
+
     def to_dict(self) -> dict[str, float | str]:
-        return {"name": self.name, "peak_flops": self.peak_flops,
-                "memory_bandwidth": self.memory_bandwidth,
-                "host_bandwidth": self.host_bandwidth, "step_overhead": self.step_overhead,
-                "seq_overhead": self.seq_overhead, "kv_token_overhead": self.kv_token_overhead,
-                "multi_token_overhead": self.multi_token_overhead}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
-        return cls(name=str(data.get("name", "custom")), peak_flops=float(data["peak_flops"]),  # type: ignore[arg-type]
-                   memory_bandwidth=float(data["memory_bandwidth"]),  # type: ignore[arg-type]
-                   host_bandwidth=float(data["host_bandwidth"]),  # type: ignore[arg-type]
-                   step_overhead=float(data["step_overhead"]),  # type: ignore[arg-type]
-                   seq_overhead=float(data.get("seq_overhead", 0.0)),  # type: ignore[arg-type]
-                   kv_token_overhead=float(data.get("kv_token_overhead", 0.0)),  # type: ignore[arg-type]
-                   multi_token_overhead=float(data.get("multi_token_overhead", 0.0)))  # type: ignore[arg-type]
+        """A profile from `to_dict`'s keys; the overheads after the first default to 0
+        (profiles written before they existed)."""
+        required = {name: float(data[name])  # type: ignore[arg-type]
+                    for name in ("peak_flops", "memory_bandwidth", "host_bandwidth", "step_overhead")}
+        optional = {name: float(data.get(name, 0.0)) for name in OVERHEADS[1:]}  # type: ignore[arg-type]
+        return cls(name=str(data.get("name", "custom")), **required, **optional)
+
+
+# HardwareProfile's overhead fields, each multiplying one of `overhead_terms`.
+OVERHEADS = ("step_overhead", "seq_overhead", "kv_token_overhead", "multi_token_overhead")
 
 
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {
@@ -253,6 +257,13 @@ class BatchShape:
         self.kv_tokens_read += count * (context + num_tokens)
 
 
+def overhead_terms(batch: BatchShape) -> tuple[float, ...]:
+    """What each of the profile's `OVERHEADS` is paid per: the step, its requests, the KV
+    tokens they read, and whether it computes more than one token. Calibration fits the
+    overheads as coefficients of these same terms."""
+    return (1.0, float(batch.num_reqs), float(batch.kv_tokens_read), float(batch.num_tokens > 1))
+
+
 @dataclass(frozen=True)
 class StepCost:
     """What one step costs, and which roof bounds it."""
@@ -299,9 +310,7 @@ class CostModel:
         return StepCost(flops=flops, bytes=nbytes, swap_bytes=swap,
                         compute_time=flops / hw.peak_flops, memory_time=nbytes / hw.memory_bandwidth,
                         swap_time=swap / hw.host_bandwidth,
-                        overhead=hw.step_overhead + hw.seq_overhead * batch.num_reqs
-                        + hw.kv_token_overhead * batch.kv_tokens_read
-                        + (hw.multi_token_overhead if batch.num_tokens > 1 else 0.0))
+                        overhead=sum(p * n for p, n in zip(hw.overheads, overhead_terms(batch), strict=True)))
 
     def step_time(self, batch: BatchShape) -> float:
         return self.step(batch).time

@@ -24,7 +24,7 @@ from loadgen.sim_result import SimResult
 from loadgen.simulator import SimLimits, Simulator
 from loadgen.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
-from scheduler.config import SchedulerConfig, default_token_budget
+from scheduler.config import SchedulerConfig, token_budget
 
 STRATEGIES = ("continuous", "static", "padding")
 
@@ -95,9 +95,8 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
     if cpu_blocks is None:
         cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
     max_model_len = args.max_model_len or longest
-    budget = args.max_num_batched_tokens
     config = SchedulerConfig(
-        max_num_batched_tokens=budget if budget is not None else default_token_budget(args.enable_chunked_prefill, max_model_len),
+        max_num_batched_tokens=token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len),
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         block_size=args.block_size,

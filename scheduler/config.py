@@ -17,9 +17,11 @@ VictimPolicy = Literal["newest", "priority"]
 DEFAULT_TOKEN_BUDGET = 2048
 
 
-def default_token_budget(enable_chunked_prefill: bool, max_model_len: int) -> int:
-    """`max_num_batched_tokens` when the user gives none (vLLM's rule): 2048, or enough for
-    a whole max-length prompt in one step when prompts cannot be chunked."""
+def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """`max_num_batched_tokens`: the one given, else vLLM's default: 2048, or enough for a
+    whole max-length prompt in one step when prompts cannot be chunked."""
+    if given is not None:
+        return given
     return DEFAULT_TOKEN_BUDGET if enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
 
 

@@ -15,7 +15,7 @@ import sys
 
 from aiohttp import web
 
-from scheduler.config import SchedulerConfig, default_token_budget
+from scheduler.config import SchedulerConfig, token_budget
 from scheduler.scheduler import Scheduler
 from service.app import create_app
 from service.cli_args import build_parser, kv_cache_bytes
@@ -37,7 +37,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         block_size=a["block_size"],
         max_model_len=a["max_model_len"],
         # sizes the CUDA profiling forward, which is capped at the model's length anyway
-        max_num_batched_tokens=token_budget(args, a["max_model_len"] or 1 << 31),
+        max_num_batched_tokens=_token_budget(args, a["max_model_len"] or 1 << 31),
         kv_cache_memory=kv_cache_bytes(a["kv_cache_memory"]),
         gpu_memory_utilization=a["gpu_memory_utilization"],
         swap_space=a["swap_space"],
@@ -47,10 +47,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-def token_budget(args: argparse.Namespace, max_model_len: int) -> int:
+def _token_budget(args: argparse.Namespace, max_model_len: int) -> int:
     """--max-num-batched-tokens, or its default for this max model length."""
-    given: int | None = vars(args)["max_num_batched_tokens"]
-    return given if given is not None else default_token_budget(vars(args)["enable_chunked_prefill"], max_model_len)
+    return token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
 
 
 def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerConfig:
@@ -62,7 +61,7 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerCon
         log.warning("KV cache holds %d tokens; capping max_model_len %d to it", pool_tokens, max_model_len)
         max_model_len = pool_tokens
     config = SchedulerConfig(
-        max_num_batched_tokens=token_budget(args, max_model_len),
+        max_num_batched_tokens=_token_budget(args, max_model_len),
         max_num_seqs=a["max_num_seqs"],
         max_model_len=max_model_len,
         block_size=info.block_size,
@@ -179,7 +178,7 @@ def _static_scheduler_checks(args: argparse.Namespace) -> dict[str, object]:
     a = vars(args)
     return {
         "num_cpu_blocks": 1 if a["swap_space"] > 0 else 0,
-        "max_num_batched_tokens": token_budget(args, a["max_model_len"] or 1),
+        "max_num_batched_tokens": _token_budget(args, a["max_model_len"] or 1),
         "max_num_seqs": a["max_num_seqs"],
         "max_model_len": a["max_model_len"] or 1,
         "block_size": a["block_size"],
