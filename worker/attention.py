@@ -89,8 +89,8 @@ class GatherWorkspace:
     """Two flat buffers (K and V) that every layer's gather reuses, grown to the largest
     step seen. Without them each layer allocates its gathered K/V afresh: at 128 decodes x
     256 tokens that is 25 MB per tensor, above glibc's mmap threshold, so every layer
-    mapped and faulted in fresh pages; a cold 128-request decode step took 1425 ms against
-    809 ms with the workspace (SmolLM2, 2 threads)."""
+    mapped and faulted in fresh pages: bench/gather_workspace.py measured decode attention
+    1.4-1.7x slower that way at 128 x 256 (SmolLM2 shape, 2 threads)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
