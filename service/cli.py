@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if command == "simulate":
-        from loadgen.sim_cli import main as simulate_main
+        from loadgen.sim.cli import main as simulate_main
 
         return simulate_main(rest)
     print(f"stepserve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from loadgen.sim_cli import main as simulate_main
+from loadgen.sim.cli import main as simulate_main
 
 ROOT = Path(__file__).resolve().parents[2]
 

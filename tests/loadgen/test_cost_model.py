@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.calibrate import StepSample, fit_profile
-from loadgen.cost_model import (
+from loadgen.sim.calibrate import StepSample, fit_profile
+from loadgen.sim.cli import main
+from loadgen.sim.cost_model import (
     MODEL_SHAPES,
     BatchShape,
     CostModel,
@@ -20,8 +21,7 @@ from loadgen.cost_model import (
     get_hardware,
     get_model_shape,
 )
-from loadgen.roofline import roofline
-from loadgen.sim_cli import main
+from loadgen.sim.roofline import roofline
 
 LLAMA_8B = MODEL_SHAPES["llama-3.1-8b"]
 A100 = get_hardware("a100")

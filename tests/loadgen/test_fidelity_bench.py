@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.cost_model import BatchShape, CostModel, get_hardware, get_model_shape
+from loadgen.sim.cost_model import BatchShape, CostModel, get_hardware, get_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 

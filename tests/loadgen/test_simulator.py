@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.cost_model import MODEL_SHAPES, BatchShape, CostModel, get_hardware
 from loadgen.distributions import LengthDist
-from loadgen.sim_cli import main
-from loadgen.sim_setup import add_run_args, build_workload, run_strategy
-from loadgen.simulator import SimLimits, Simulator
-from loadgen.sweep import PRESETS, run_point, with_param
+from loadgen.sim.cli import main
+from loadgen.sim.cost_model import MODEL_SHAPES, BatchShape, CostModel, get_hardware
+from loadgen.sim.setup import add_run_args, build_workload, run_strategy
+from loadgen.sim.simulator import SimLimits, Simulator
+from loadgen.sim.sweep import PRESETS, run_point, with_param
 from loadgen.workloads import WorkloadRequest, synthetic
 from scheduler.config import SchedulerConfig
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loadgen.cost_model import BatchShape, CostModel
+from loadgen.sim.cost_model import BatchShape, CostModel
 
 
 def decode_row(cm: CostModel, context: int) -> dict[str, float]:

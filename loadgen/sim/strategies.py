@@ -19,8 +19,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from loadgen.cost_model import BatchShape, CostModel
-from loadgen.sim_result import KVUsage, SimResult, TimelinePoint, TokenClock
+from loadgen.sim.cost_model import BatchShape, CostModel
+from loadgen.sim.result import KVUsage, SimResult, TimelinePoint, TokenClock
 from loadgen.workloads import WorkloadRequest
 from scheduler.kv_manager import cdiv
 

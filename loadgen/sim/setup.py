@@ -12,17 +12,17 @@ import argparse
 import dataclasses
 from typing import Any
 
-from loadgen.cost_model import (
+from loadgen.report import parse_goodput
+from loadgen.sim.cost_model import (
     HARDWARE_PROFILES,
     MODEL_SHAPES,
     CostModel,
     get_hardware,
     get_model_shape,
 )
-from loadgen.report import parse_goodput
-from loadgen.sim_result import SimResult
-from loadgen.simulator import SimLimits, Simulator
-from loadgen.strategies import FixedBatchConfig, simulate_padding, simulate_static
+from loadgen.sim.result import SimResult
+from loadgen.sim.simulator import SimLimits, Simulator
+from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
 from scheduler.config import SchedulerConfig, token_budget
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from loadgen.cost_model import BatchShape, CostModel
-from loadgen.sim_result import KVUsage, SimResult, TimelinePoint, TokenClock
+from loadgen.sim.cost_model import BatchShape, CostModel
+from loadgen.sim.result import KVUsage, SimResult, TimelinePoint, TokenClock
 from loadgen.workloads import WorkloadRequest
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.distributions import LengthDist
-from loadgen.sim_setup import STRATEGIES, build_workload, run_strategy
+from loadgen.sim.setup import STRATEGIES, build_workload, run_strategy
 from scheduler.config import SchedulerConfig
 
 ALIASES = {"token_budget": "max_num_batched_tokens", "kv_blocks": "num_gpu_blocks",

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from loadgen.sim_result import TimelinePoint  # noqa: E402
+from loadgen.sim.result import TimelinePoint  # noqa: E402
 
 
 def plot_timeline(points: list[TimelinePoint], path: str | Path, title: str = "") -> None:

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadgen.calibrate import calibrate_bench
-from loadgen.cost_model import get_hardware
 from loadgen.report import format_table
-from loadgen.roofline import format_roofline, roofline
-from loadgen.sim_plots import plot_sweep, plot_timeline
-from loadgen.sim_result import SimResult
-from loadgen.sim_setup import (
+from loadgen.sim.calibrate import calibrate_bench
+from loadgen.sim.cost_model import get_hardware
+from loadgen.sim.plots import plot_sweep, plot_timeline
+from loadgen.sim.result import SimResult
+from loadgen.sim.roofline import format_roofline, roofline
+from loadgen.sim.setup import (
     STRATEGIES,
     add_cost_args,
     add_run_args,
@@ -31,7 +31,7 @@ from loadgen.sim_setup import (
     run_config,
     run_strategy,
 )
-from loadgen.sweep import PRESETS, format_rows, sweep
+from loadgen.sim.sweep import PRESETS, format_rows, sweep
 
 COMPARE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",

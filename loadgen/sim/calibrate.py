@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.cost_model import (
+from loadgen.sim.cost_model import (
     OVERHEADS,
     BatchShape,
     CostModel,
