@@ -47,11 +47,21 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and device")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face Llama-family directory (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own name)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation, weight and KV dtype (auto: bfloat16 on CUDA; on CPU bfloat16 only where a "
+                        "start-up probe measures its matmuls faster than float32's, else float32)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="weight form on CPU: gguf runs a GGUF file's Q4_0/Q4_1 as int4 and Q8_0 as int8 kernels; "
+                        "int8/int4 quantize any model at load; auto: gguf for a GGUF file where the probe measures "
+                        "its kernels faster, else none. Low-bit forms run in bfloat16. Reference numerics (greedy "
+                        "equal to transformers, batch invariance): --dtype float32 --quantization none --enforce-eager")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run the model eagerly (no torch.compile); by default the forward is compiled at start-up "
+                        "where a C++ compiler is found")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"], help="attention kernels (auto: flash-attn on CUDA when importable)")
     g.add_argument("--seed", type=int, default=0, help="worker's base random seed (default %(default)s)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's choice)")
+    g.add_argument("--num-threads", type=int, default=None, help="worker threads on CPU (default: see README, Threads)")
     g.add_argument("--worker-runner", default="worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
 
 

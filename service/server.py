@@ -33,6 +33,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         model=a["model"],
         dtype=a["dtype"],
+        quantization=a["quantization"],
+        enforce_eager=a["enforce_eager"],
         device=a["device"],
         block_size=a["block_size"],
         max_model_len=a["max_model_len"],

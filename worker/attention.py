@@ -63,6 +63,57 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class StepAttention:
+    """The model's attention for the current step: a backend, the per-layer KV cache, and the
+    step's metadata, which the runner binds before each forward.
+
+    A compiled forward reaches it through the `stepserve::paged_attention` op instead
+    (`compiled_attend`), opaque to the compiler, which takes the layer's index rather than
+    its cache tensors: a compiled op that mutated its inputs would be functionalized, its
+    whole cache cloned per call. So the per-step Python of the backends (request spans,
+    masks) never becomes a guard or a recompilation, and the cache is written in place.
+    """
+
+    def __init__(self, backend: AttentionBackend, kv_layers: list[KVCacheLayer]) -> None:
+        self.backend = backend
+        self.kv_layers = kv_layers
+        self.meta: AttentionMetadata | None = None
+
+    def bind(self, meta: AttentionMetadata, kv_layers: list[KVCacheLayer] | None = None) -> StepAttention:
+        """Attend with `meta` (over `kv_layers` when given) until the next bind."""
+        global _ACTIVE
+        self.meta = meta
+        if kv_layers is not None:
+            self.kv_layers = kv_layers
+        _ACTIVE = self
+        return self
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        assert self.meta is not None, "attention called outside a step"
+        return self.backend.forward(q, k, v, self.kv_layers[layer], self.meta)
+
+
+_ACTIVE: StepAttention | None = None
+
+
+@torch.library.custom_op("stepserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Write this step's K/V into layer `layer`'s cache and attend (the bound step's metadata).
+    The cache write is invisible to the compiler on purpose (see `StepAttention`)."""
+    assert _ACTIVE is not None, "stepserve::paged_attention called outside a step"
+    return _ACTIVE(q, k, v, layer)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def compiled_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The attention a compiled forward calls: one opaque op per layer."""
+    return torch.ops.stepserve.paged_attention(q, k, v, layer)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, slots: torch.Tensor) -> None:
     """Scatter the new tokens' K/V [T, kv_heads, D] into their cache slots."""
     k_cache, v_cache = kv_cache

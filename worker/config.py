@@ -16,7 +16,9 @@ class WorkerConfig:
     """Everything the worker process needs to load a model and size its KV cache."""
 
     model: str | None = None  # GGUF file or HF directory; None: the default SmolLM2 GGUF
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32/bfloat16/float16
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU what the start-up probe measures faster
+    quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.weight_form)
+    enforce_eager: bool = False  # True: no torch.compile
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -26,7 +28,7 @@ class WorkerConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: see worker.threads
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -41,6 +43,15 @@ class WorkerConfig:
             raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):
+            raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {self.quantization!r}")
+        if self.quantization in ("gguf", "int8", "int4") and self.dtype in ("float32", "float16"):
+            raise ValueError(
+                f"quantization={self.quantization} runs with bfloat16 activations (torch's low-bit CPU kernels); "
+                f"dtype={self.dtype} needs quantization=none"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -61,4 +72,8 @@ class WorkerInfo:
     num_cpu_blocks: int
     kv_bytes_per_token: int
     num_params: int
-    extra: dict[str, str] = field(default_factory=dict)
+    quantization: str = "none"
+    compiled: bool = False
+    num_threads: int = 1
+    weight_bytes: int = 0  # bytes of weights one step reads
+    extra: dict[str, str] = field(default_factory=dict)  # the start-up probe's measurements

@@ -1,4 +1,4 @@
-"""Reading a GGUF file: metadata, and tensors dequantized and renamed to HF names.
+"""Reading a GGUF file: metadata, and tensors renamed to HF names, dequantized or kept low-bit.
 
 llama.cpp's converter renames tensors (blk.N.attn_q ...) and, for the `llama` architecture,
 permutes the rows of Q and K so that rope pairs adjacent dimensions (GPT-J style). We undo
@@ -16,9 +16,12 @@ import numpy as np
 import torch
 
 from worker.model_config import ModelConfig, ModelLoadError
+from worker.quant import QuantizedWeight, from_gguf
 
 # GGUF tensor kinds we can dequantize (gguf.quants handles each in numpy).
 SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# Kept as low-bit codes under --quantization gguf (worker.quant maps each onto a torch kernel).
+NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -82,13 +85,12 @@ def read_gguf_config(path: Path) -> tuple[ModelConfig, Any]:
 
 
 def read_gguf_tensors(
-    reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Every tensor the model uses, dequantized to `dtype`, under HF names."""
-    from gguf.quants import dequantize
-
+    reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype, native: bool = False,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor the model uses under HF names: dequantized to `dtype`, or, with
+    `native`, Q4_0/Q4_1/Q8_0 matrices kept as `QuantizedWeight` codes and scales."""
     permute = reader.fields["general.architecture"].contents() == "llama"
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -99,16 +101,41 @@ def read_gguf_tensors(
                 f"{path}: tensor {tensor.name} has GGML type {kind}, not supported "
                 f"(supported: {', '.join(SUPPORTED_GGML_TYPES)})"
             )
-        array = dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = np.ascontiguousarray(array.reshape(shape), dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as views of the memory map
-            array = array.copy()
-        if permute and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        heads = _rope_heads(config, name) if permute else None
+        if native and kind in NATIVE_GGML_TYPES:
+            quantized = from_gguf(kind, tensor.data, *shape)
+            weights[name] = quantized if heads is None else quantized.rows(unpermute_index(shape[0], heads))
+            continue
+        array = _dequantized(tensor, shape)
+        if heads is not None:
             array = unpermute_rope_rows(array, heads)
         weights[name] = torch.from_numpy(array).to(dtype)
     return weights
+
+
+def _rope_heads(config: ModelConfig, name: str) -> int | None:
+    """Heads of a Q or K projection, whose rows llama.cpp permuted; None for other tensors."""
+    if ".q_proj." in name:
+        return config.num_attention_heads
+    if ".k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def _dequantized(tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    array = np.ascontiguousarray(array.reshape(shape), dtype=np.float32)
+    if not array.flags.writeable:  # F32 tensors come back as views of the memory map
+        array = array.copy()
+    return array
+
+
+def unpermute_index(rows: int, num_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation: out[i] = in[index[i]]."""
+    return unpermute_rope_rows(np.arange(rows)[:, None], num_heads)[:, 0]
 
 
 def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

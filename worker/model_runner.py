@@ -9,6 +9,8 @@ the request at once, so the next plan can be executed before the scheduler has s
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 from pathlib import Path
 
@@ -16,14 +18,25 @@ import torch
 
 from scheduler.kv_manager import cdiv
 from scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from worker.attention import make_attention_backend
+from worker.attention import StepAttention, make_attention_backend
 from worker.config import WorkerConfig, WorkerInfo
 from worker.input_batch import InputBatch, RequestState, StepInputs
+from worker.kernel_probe import KernelChoice, choose_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
-from worker.loader import load_weights, resolve_model_path
+from worker.loader import (
+    expected_shapes,
+    gguf_native_kinds,
+    load_config,
+    load_weights,
+    resolve_model_path,
+)
 from worker.model import LlamaForCausalLM
 from worker.model_config import ModelConfig
+from worker.quant import Weight
 from worker.sampler import Sampler, SamplingMetadata
+from worker.weight_form import WeightForm
+
+log = logging.getLogger("stepserve.worker")
 
 MAX_DEFAULT_MODEL_LEN = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,31 +77,53 @@ class ModelRunner:
 
     def __init__(
         self, config: WorkerConfig, *,
-        loaded: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+        loaded: tuple[ModelConfig, dict[str, Weight]] | None = None,
         sampler: Sampler | None = None,
     ) -> None:
         """`loaded` (config, weights) skips reading `config.model` (benchmarks, tests); its
         weight dict is consumed (emptied), so unfused copies do not outlive the model."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         path = Path("<in-memory>") if loaded is not None else resolve_model_path(config.model)
-        model_config, weights = loaded if loaded is not None else load_weights(path, self.dtype)
-        self.model_config = model_config
+        model_config = loaded[0] if loaded is not None else load_config(path)
         self.max_model_len = resolve_max_model_len(config, model_config)
-        self.attention = make_attention_backend(config.attention_backend, self.device, config.block_size, self.dtype)
+        self.kernels = self._choose_kernels(model_config, path)
+        self.dtype = self.kernels.dtype
+        log.info("kernels: %s", self.kernels.describe())
+        native = self.kernels.quantization != "none" and path.suffix == ".gguf"
+        model_config, weights = loaded if loaded is not None else load_weights(path, self.dtype, native)
+        self.model_config = model_config
+        backend = make_attention_backend(config.attention_backend, self.device, config.block_size, self.dtype)
         self.model = self._build_model(weights)
         self.kv_cache = self._make_kv_cache()
-        self.kv_layers = self.kv_cache.layers()
+        self.attention = StepAttention(backend, self.kv_cache.layers())
         self.batch = InputBatch(self.max_model_len, config.block_size, self.device)
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.info = self._info(path)
 
-    def _build_model(self, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-        on_device = {k: weights.pop(k).to(self.device, torch.float32 if k == "rope_freqs" else self.dtype) for k in list(weights)}
-        return LlamaForCausalLM(self.model_config, on_device, self.attention, self.max_model_len).to(self.device)
+    def _choose_kernels(self, model_config: ModelConfig, path: Path) -> KernelChoice:
+        config = self.config
+        if self.device.type != "cpu":
+            if config.quantization not in ("auto", "none"):
+                raise ValueError(f"quantization={config.quantization} runs on CPU only (torch's CPU kernels)")
+            return KernelChoice(resolve_dtype(config.dtype, self.device), "none", None)
+        if config.quantization == "gguf" and path.suffix != ".gguf":
+            raise ValueError(f"quantization=gguf needs a GGUF model file, got {path}")
+        native = gguf_native_kinds(path) if path.suffix == ".gguf" else set()
+        linear_params = sum(
+            math.prod(shape) for name, shape in expected_shapes(model_config).items() if name.endswith("proj.weight"))
+        return choose_kernels(model_config, config.dtype, config.quantization, native,
+                              config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params)
+
+    def _build_model(self, weights: dict[str, Weight]) -> LlamaForCausalLM:
+        form = WeightForm(self.dtype, self.kernels.quantization, self.kernels.dense_above)  # type: ignore[arg-type]
+        for name in list(weights):
+            w = weights[name]
+            if isinstance(w, torch.Tensor):
+                weights[name] = w.to(self.device, torch.float32 if name == "rope_freqs" else self.dtype)
+        return LlamaForCausalLM(self.model_config, weights, self.max_model_len, form).to(self.device)
 
     def _make_kv_cache(self) -> KVCache:
         block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
@@ -111,7 +146,8 @@ class ModelRunner:
         batch.set_blocks(state, list(range(scratch.num_blocks)))
         torch.cuda.reset_peak_memory_stats(self.device)
         step = batch.prepare([(state, tokens)])
-        hidden = self.model(step.input_ids, step.positions, step.attn_metadata, scratch.layers())
+        attention = StepAttention(self.attention.backend, scratch.layers()).bind(step.attn_metadata)
+        hidden = self.model(step.input_ids, step.positions, attention)
         self.model.compute_logits(hidden[step.logits_indices])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.device_cache.nbytes
@@ -128,7 +164,7 @@ class ModelRunner:
             architecture=c.architecture,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
-            attention_backend=self.attention.name,
+            attention_backend=self.attention.backend.name,
             vocab_size=c.vocab_size,
             eos_token_ids=c.eos_token_ids,
             max_model_len=self.max_model_len,
@@ -136,7 +172,11 @@ class ModelRunner:
             num_gpu_blocks=self.kv_cache.num_blocks,
             num_cpu_blocks=self.kv_cache.num_host_blocks,
             kv_bytes_per_token=self.kv_cache.block_bytes // self.config.block_size,
-            num_params=self.model.num_params,
+            num_params=sum(math.prod(shape) for shape in expected_shapes(c).values()),
+            quantization=self.kernels.quantization,
+            num_threads=torch.get_num_threads(),
+            weight_bytes=self.model.weight_bytes,
+            extra={k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
         )
 
     @property
@@ -152,7 +192,7 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=plan.step_id, sampled_token_ids={})
         scheduled = [(self._state(req_id), n) for req_id, n in plan.num_scheduled_tokens.items()]
         step = self.batch.prepare(scheduled)
-        hidden = self.model(step.input_ids, step.positions, step.attn_metadata, self.kv_layers)
+        hidden = self.model(step.input_ids, step.positions, self.attention.bind(step.attn_metadata))
         for state, n in scheduled:
             state.num_computed_tokens += n
         return self._sample(plan.step_id, step, hidden)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from worker_modes import REFERENCE_FLAGS
 
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
@@ -230,8 +231,9 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """The one default-model server of the session."""
-    server = start_live_server(tmp_path_factory.mktemp("live"), "--max-num-seqs", "64")
+    """The one default-model server of the session, in reference mode (its tests compare
+    batched with solo outputs, which the fast defaults do not promise)."""
+    server = start_live_server(tmp_path_factory.mktemp("live"), "--max-num-seqs", "64", *REFERENCE_FLAGS)
     yield server
     code = server.stop()
     assert code == 0, server.log()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import make_tiny_hf_model
+from worker_modes import REFERENCE
 
 from scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
@@ -202,7 +203,8 @@ def smol_runner_session() -> Iterator[Any]:
     from worker.model_runner import ModelRunner
 
     threads = torch.get_num_threads()
-    config = WorkerConfig(device="cpu", kv_cache_memory=96 << 20, swap_space=0.03, max_model_len=1024, num_threads=1)
+    config = WorkerConfig(device="cpu", kv_cache_memory=96 << 20, swap_space=0.03, max_model_len=1024, num_threads=1,
+                          **REFERENCE)
     yield ModelRunner(config)
     torch.set_num_threads(threads)
 

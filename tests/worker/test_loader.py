@@ -184,7 +184,8 @@ def test_default_gguf_config_and_tied_head(smol_runner: Any) -> None:
     config = smol_runner.model_config
     assert config.architecture == "LlamaForCausalLM" and config.tie_word_embeddings
     assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
-    assert smol_runner.model.lm_head is None and smol_runner.model.embed.dtype == torch.float32
+    model = smol_runner.model
+    assert model.lm_head.weight is model.embed.weight and model.embed.weight.dtype == torch.float32
 
 
 def test_gguf_tokenizer_cache_matches_a_fresh_build(smol_tokenizer: Any, model_cache: Path) -> None:

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from scheduler.sampling import SamplingParams
-from worker.attention import TorchAttention
+from worker.attention import StepAttention, TorchAttention
 from worker.input_batch import InputBatch, RequestState
 from worker.kv_cache import KVCache
 from worker.loader import load_weights
 from worker.model import LlamaForCausalLM
+from worker.weight_form import WeightForm
 
 PROMPT_LENS = {"a": 23, "b": 40, "c": 5, "d": 16}
 # Per step: tokens each request computes. b is chunked 7 / 16 / 17; a, c, d prefill at once
@@ -31,8 +32,9 @@ STEPS: list[dict[str, int]] = [
 def run_ours(model_dir: Path, prompts: dict[str, list[int]], appended: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """Logits of every computed position per request, in position order."""
     config, weights = load_weights(model_dir)
-    model = LlamaForCausalLM(config, weights, TorchAttention(), max_positions=128)
+    model = LlamaForCausalLM(config, weights, max_positions=128, form=WeightForm(torch.float32))
     cache = KVCache(config, num_blocks=64, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    attention = StepAttention(TorchAttention(), cache.layers())
     batch = InputBatch(max_model_len=128, block_size=4, device=torch.device("cpu"))
     free = list(range(63, -1, -1))  # hand blocks out in descending order: tables are not contiguous
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
@@ -51,7 +53,7 @@ def run_ours(model_dir: Path, prompts: dict[str, list[int]], appended: dict[str,
             scheduled.append((state, n))
         step = batch.prepare(scheduled)
         with torch.inference_mode():
-            hidden = model(step.input_ids, step.positions, step.attn_metadata, cache.layers())
+            hidden = model(step.input_ids, step.positions, attention.bind(step.attn_metadata))
             all_logits = model.compute_logits(hidden)
         offset = 0
         for state, n in step.scheduled:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sched_driver import drive
 from tiny_models import make_tiny_hf_model
+from worker_modes import REFERENCE
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from worker.config import WorkerConfig
@@ -26,7 +27,7 @@ MAX_TOKENS = 24
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     target: Path = tmp_path_factory.mktemp("tiny") / "llama"
     make_tiny_hf_model().save_pretrained(target)
-    cfg = WorkerConfig(model=str(target), block_size=4, kv_cache_memory=512 * 4 * 256, swap_space=0.002)
+    cfg = WorkerConfig(model=str(target), block_size=4, kv_cache_memory=512 * 4 * 256, swap_space=0.002, **REFERENCE)
     return ModelRunner(cfg)
 
 

@@ -1,0 +1,143 @@
+"""The start-up probe: time this CPU's matmul kernels on the model's own shapes, then choose
+the dtype, the quantization and int4's dense cut-over from the measurements.
+
+CPU flags do not say which kernels are fast (an AVX2-only machine ran bf16 matmuls 2-6x
+slower than fp32; AVX-512 BF16 machines ~2x faster; int4/int8 weight-only kernels read 4-8x
+fewer bytes but compute slower at many tokens), so every choice left to `auto` is made
+from timings of the model's MLP matmul at one token (a decode step) and at `WIDE` tokens
+(a batch or a prefill chunk), a second or less in all.
+
+    dtype auto          bfloat16 if its dense matmul beats float32's at both widths
+    quantization auto   gguf for a GGUF file whose low-bit kernels beat the best dense
+                        matmul at one token; otherwise none (a safetensors model is never
+                        quantized unasked)
+    int4 dense copy     kept when dense bf16 beats int4 from some width on and the copy fits
+                        in a quarter of the memory; steps above that width use it
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from worker.model_config import ModelConfig
+from worker.quant import quantize_int4, quantize_int8
+
+log = logging.getLogger("stepserve.worker")
+
+WIDE = 64  # tokens of the "many tokens" probe
+CUT_OVER_WIDTHS = (4, 8, 16, 32, 64, 128, 256)
+_PROBE_DIM_CAP = 4096  # larger models are probed on a slice of their matmul
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the probe chose and what it measured (milliseconds per matmul)."""
+
+    dtype: torch.dtype
+    quantization: str
+    dense_above: int | None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in self.timings_ms.items())
+        cut = "" if self.dense_above is None else f", int4 -> dense bf16 above {self.dense_above} tokens"
+        return f"dtype {str(self.dtype).removeprefix('torch.')}, quantization {self.quantization}{cut} (ms: {parts})"
+
+
+def median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
+    """Median wall time of `fn` in milliseconds, after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+class _Probe:
+    """Timings of the model's gate/up matmul in every form, memoised."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        n = min(2 * config.intermediate_size, _PROBE_DIM_CAP)
+        k = min(config.hidden_size, _PROBE_DIM_CAP) // 32 * 32 or 32
+        gen = torch.Generator().manual_seed(0)
+        self.weight = torch.randn(n, k, generator=gen) * 0.02
+        self.k = k
+        self.timings: dict[str, float] = {}
+        self._layers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def layer(self, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        if form not in self._layers:
+            from worker.linear import make_linear
+
+            if form == "float32":
+                w32 = self.weight
+                self._layers[form] = lambda x: F.linear(x, w32)
+            elif form == "bfloat16":
+                w16 = self.weight.bfloat16()
+                self._layers[form] = lambda x: F.linear(x, w16)
+            else:
+                q = quantize_int8(self.weight) if form == "int8" else quantize_int4(self.weight)
+                self._layers[form] = make_linear(q, torch.bfloat16)
+        return self._layers[form]
+
+    def ms(self, form: str, tokens: int) -> float:
+        key = f"{form}@{tokens}"
+        if key not in self.timings:
+            dtype = torch.float32 if form == "float32" else torch.bfloat16
+            x = torch.randn(tokens, self.k).to(dtype)
+            layer = self.layer(form)
+            with torch.inference_mode():
+                self.timings[key] = median_ms(lambda: layer(x))
+        return self.timings[key]
+
+
+def choose_kernels(
+    config: ModelConfig, dtype: str, quantization: str, native_kinds: set[str], max_tokens: int,
+    dense_copy_bytes: int,
+) -> KernelChoice:
+    """Resolve `auto` dtype / quantization on CPU by measurement. `native_kinds`: the low-bit
+    kinds ("int4", "int8") a GGUF file stores natively (empty for other formats);
+    `dense_copy_bytes`: what a bf16 copy of the linear weights would take."""
+    probe = _Probe(config)
+    if dtype == "auto" and quantization in ("gguf", "int8", "int4"):
+        dtype = "bfloat16"  # the low-bit kernels' activation dtype
+    if dtype == "auto":
+        bf16_wins = all(probe.ms("bfloat16", n) < probe.ms("float32", n) for n in (1, WIDE))
+        dtype = "bfloat16" if bf16_wins else "float32"
+    if quantization == "auto":
+        quantization = "none"
+        if native_kinds and dtype == "bfloat16":
+            best_dense = min(probe.ms("bfloat16", 1), probe.ms("float32", 1))
+            if all(probe.ms(kind, 1) < best_dense for kind in native_kinds):
+                quantization = "gguf"
+    uses_int4 = quantization == "int4" or (quantization == "gguf" and "int4" in native_kinds)
+    fits = dense_copy_bytes <= _memory_bytes() // 4
+    dense_above = _cut_over(probe, max_tokens) if uses_int4 and fits else None
+    return KernelChoice(getattr(torch, dtype), quantization, dense_above, dict(probe.timings))
+
+
+def _cut_over(probe: _Probe, max_tokens: int) -> int | None:
+    """The widest step int4 should still serve itself: below the first width at which dense
+    bf16 is faster; None when int4 stays faster up to `max_tokens`."""
+    previous = 1
+    for width in CUT_OVER_WIDTHS:
+        if width > max_tokens:
+            break
+        if probe.ms("bfloat16", width) < probe.ms("int4", width):
+            return previous
+        previous = width
+    return None
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,143 @@
+"""Linear layers and the embedding in each weight form the worker runs: dense, int8 and int4.
+
+    Dense      F.linear over an fp32 / bf16 / fp16 weight
+    Int8       torch's weight-only int8 CPU kernel (one scale per output row)
+    Int4       torch's weight-only int4 CPU kernel (groups of 32 along K, scale and zero)
+
+Both low-bit kernels take bfloat16 activations (with float32 ones they fall back to a slow
+path, measured 10-100x slower), so a quantized model runs in bfloat16. Int4 may also keep a
+dense copy of its weight for steps of many tokens: the int4 kernel reads 4x fewer bytes,
+which wins for decodes, while at a few dozen tokens and more the dense bf16 GEMM's compute
+rate wins (the start-up probe measures where, see `worker.kernel_probe`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.quant import QuantizedWeight
+
+_INT4_N_MULTIPLE = 16  # the int4 packing kernel's rule for N
+
+
+def _buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    module.register_buffer(name, tensor, persistent=False)
+
+
+class DenseLinear(nn.Module):
+    """y = x W^T + b with a float weight [N, K]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        # an existing Parameter (a tied embedding's table) is shared, not wrapped again
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: y = (x q^T) * scale + b, with q [N, K] int8 and one scale per row."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        _buffer(self, "qweight", qweight)
+        _buffer(self, "scales", scales)
+        _buffer(self, "bias", bias)
+
+    @classmethod
+    def from_quantized(cls, weight: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
+        return cls(weight.q.to(torch.int8).contiguous(), weight.scale.to(dtype), None if bias is None else bias.to(dtype))
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 in torch's packed CPU layout; N is padded to a multiple of 16.
+
+    `dense_above`: steps with more tokens than this use a dense copy of the weight instead
+    (None: never; the copy is then not kept)."""
+
+    def __init__(
+        self, weight: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None,
+        dense_above: int | None = None,
+    ) -> None:
+        super().__init__()
+        n, k = weight.shape
+        pad = -n % _INT4_N_MULTIPLE
+        q, scale, zero = weight.q.to(torch.int32), weight.scale, weight.zero
+        assert zero is not None
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.n, self.group_size, self.dense_above = n, weight.group_size, dense_above
+        _buffer(self, "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
+        # [K / group, N, 2]: the kernel's layout of (scale, zero) per group and column
+        _buffer(self, "scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        _buffer(self, "bias", None if bias is None else bias.to(dtype))
+        _buffer(self, "dense", None if dense_above is None else weight.dequantize(dtype))
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and self.dense_above is not None and x.shape[0] > self.dense_above:
+            return F.linear(x, self.dense, self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+        if y.shape[-1] != self.n:
+            y = y[..., : self.n]
+        return y if self.bias is None else y + self.bias
+
+
+Linear = DenseLinear | Int8Linear | Int4Linear
+
+
+def make_linear(
+    weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None,
+    dense_above: int | None = None,
+) -> Linear:
+    """The layer for a weight as loaded: dense for floats, else the kernel of its kind."""
+    if not isinstance(weight, QuantizedWeight):
+        return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+    if weight.kind == "int8":
+        return Int8Linear.from_quantized(weight, dtype, bias)
+    return Int4Linear(weight, dtype, bias, dense_above)
+
+
+class Embedding(nn.Module):
+    """Token embedding over a dense table or int8 rows (looked-up rows are dequantized)."""
+
+    def __init__(self, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight: nn.Parameter | None = None
+        if isinstance(table, QuantizedWeight) and table.kind == "int8":
+            _buffer(self, "qweight", table.q.to(torch.int8).contiguous())
+            _buffer(self, "scales", table.scale.to(dtype))
+        else:
+            dense = table.dequantize(dtype) if isinstance(table, QuantizedWeight) else table.to(dtype)
+            self.weight = nn.Parameter(dense, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        return F.embedding(ids, self.qweight).to(self.scales.dtype) * self.scales[ids, None]
+
+    def tied_head(self) -> Linear:
+        """The LM head that shares this table (tied word embeddings), without a copy."""
+        if self.weight is not None:
+            return DenseLinear(self.weight)
+        return Int8Linear(self.qweight, self.scales)

@@ -1,0 +1,82 @@
+"""`WeightForm`: the form every weight of the model takes (dtype and quantization), in one place.
+
+    quantization   linear layers                         embedding      LM head
+    none           dense in dtype                        dense          dense (tied: shared)
+    gguf           as the file stores them: Q4_0/Q4_1    int8 if Q8_0   the file's form
+                   -> int4, Q8_0 -> int8, floats dense   else dense     (tied: shared)
+    int8           int8 (from any source)                int8           int8 (tied: shared)
+    int4           int4 group 32 (from any source)       int8           int4
+
+The layers built here are `worker.linear`'s; fused q/k/v and gate/up are concatenated before
+packing, in their common form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from worker.linear import Embedding, Linear, make_linear
+from worker.quant import QuantizedWeight, Weight, as_dense, concat_rows, quantize
+
+Quantization = Literal["none", "gguf", "int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How weights are held: activation/dense dtype, quantization, and the int4 dense cut-over."""
+
+    dtype: torch.dtype
+    quantization: Quantization = "none"
+    dense_above: int | None = None  # int4 layers keep a dense copy for steps above this many tokens
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype != torch.bfloat16:
+            raise ValueError(
+                f"quantization={self.quantization} runs with bfloat16 activations (torch's low-bit CPU "
+                f"kernels), got dtype {self.dtype}; use --dtype bfloat16 or auto, or --quantization none"
+            )
+
+    def prepare(self, weight: Weight) -> Weight:
+        """One linear weight in this form, before fusion and packing."""
+        if self.quantization == "none":
+            return weight.dequantize(self.dtype) if isinstance(weight, QuantizedWeight) else weight
+        if self.quantization == "gguf":
+            return weight
+        return quantize(weight, self.quantization)
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+        return make_linear(self.prepare(weight), self.dtype, bias, self.dense_above)
+
+    def fused(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
+        """One layer for weights stacked along their outputs (q/k/v, gate/up)."""
+        prepared = [self.prepare(p) for p in parts]
+        kinds = {p.kind if isinstance(p, QuantizedWeight) else "dense" for p in prepared}
+        if kinds == {"dense"}:
+            return make_linear(torch.cat([p.to(self.dtype) for p in prepared]), self.dtype, bias)  # type: ignore[union-attr]
+        if len(kinds) > 1:  # a file that mixes types within one fused layer: int8 loses least
+            prepared = [quantize(p, "int8") for p in prepared]
+        return make_linear(concat_rows(prepared), self.dtype, bias, self.dense_above)  # type: ignore[arg-type]
+
+    def embedding(self, table: Weight) -> Embedding:
+        if self.quantization == "none":
+            return Embedding(self.prepare(table), self.dtype)
+        if self.quantization == "gguf":
+            keep = isinstance(table, QuantizedWeight) and table.kind == "int8"
+            return Embedding(table if keep else as_dense(table), self.dtype)
+        return Embedding(quantize(table, "int8"), self.dtype)
+
+    def head(self, embedding: Embedding, head_weight: Weight | None, embed_weight: Weight) -> Linear:
+        """The LM head: its own weight; or, tied, the embedding's table, shared with the
+        embedding unless this form holds the head in int4 (the embedding cannot be int4)."""
+        if head_weight is not None:
+            return self.linear(head_weight)
+        prepared = self.prepare(embed_weight)
+        if isinstance(prepared, QuantizedWeight) and prepared.kind == "int4":
+            return make_linear(prepared, self.dtype, None, self.dense_above)
+        return embedding.tied_head()
