@@ -157,6 +157,20 @@ class FairQueue:
         return self.counter(request.tenant), request.arrival_time
 
 
+def tenant_report(scheduler: object) -> dict[str, dict[str, float]]:
+    """Per tenant: weighted tokens served, and under the fair policy its VTC counter."""
+    meter = getattr(scheduler, "service", None)
+    if not isinstance(meter, ServiceMeter):
+        return {}
+    queue = getattr(scheduler, "waiting", None)
+    out: dict[str, dict[str, float]] = {}
+    for tenant, served in meter.served.items():
+        out[tenant] = {"served": served}
+        if isinstance(queue, FairQueue):
+            out[tenant]["counter"] = queue.counter(tenant)
+    return out
+
+
 def parse_tenant_weights(spec: str) -> tuple[tuple[str, float], ...]:
     """``alice=2,bob=0.5`` or a path to a JSON object ``{"alice": 2, "bob": 0.5}``."""
     path = Path(spec)
