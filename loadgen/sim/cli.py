@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loadgen.plotting import PlotsUnavailable, require_plots
 from loadgen.report import format_table
 from loadgen.sim.calibrate import calibrate_bench
 from loadgen.sim.cost_model import get_hardware
-from loadgen.sim.plots import plot_sweep, plot_timeline
 from loadgen.sim.result import SimResult
 from loadgen.sim.roofline import format_roofline, roofline
 from loadgen.sim.setup import (
@@ -77,12 +77,16 @@ def _record(rec: Any) -> dict[str, Any]:
 
 def cmd_run(argv: list[str], compare: bool = False) -> int:
     args = _run_parser("stepserve simulate").parse_args(argv)
+    if args.timeline:
+        require_plots()
     strategies = list(STRATEGIES) if compare or args.strategy == "all" else [args.strategy]
     workload = build_workload(args)
     goodput = goodput_of(args)
     results = [run_strategy(args, s, workload, timeline=bool(args.timeline)) for s in strategies]
     summaries = {r.strategy: r.summary(goodput) for r in results}
     if args.timeline:
+        from loadgen.sim.plots import plot_timeline
+
         for r in results:
             path = args.timeline if len(results) == 1 else _suffixed(args.timeline, r.strategy)
             plot_timeline(r.timeline, path, f"{r.strategy}: {args.model_shape} on {args.hardware}")
@@ -119,8 +123,12 @@ def cmd_sweep(argv: list[str]) -> int:
     if args.param is None and preset is None:
         parser.error("give --param NAME V1,V2,... or --preset")
     name, values = (args.param[0], args.param[1].split(",")) if args.param else (preset.param, list(preset.values))  # type: ignore[union-attr]
+    if args.plot:
+        require_plots()
     rows = sweep(args, name, values)
     if args.plot:
+        from loadgen.sim.plots import plot_sweep
+
         plot_sweep(rows, name, args.plot, f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}")
     print(_dump(rows) if args.json else format_rows(rows, name))
     if args.result_json:
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args and args[0] in commands:
             return commands[args[0]](args[1:])
         return cmd_run(args)
-    except ValueError as exc:
+    except (ValueError, PlotsUnavailable) as exc:
         print(f"stepserve simulate: error: {exc}", file=sys.stderr)
         return 2
 
