@@ -5,7 +5,7 @@
 `request.DEFAULT_TENANT` when none is given). Each prompt token counts once, at
 `fair_prompt_weight`, when it is first computed or found in the prefix cache; each output
 token counts once, at `fair_output_weight`, in the step that samples it (defaults 1 and 2,
-the paper's prices). Tokens recomputed after a preemption are not service: the tenant got
+the paper's prices; a sample still in flight when its request finishes is refunded). Tokens recomputed after a preemption are not service: the tenant got
 nothing new from them. `ServiceMeter` keeps these totals under every policy.
 
 **Counters** (`FairQueue`, policy "fair"). Tenant t's counter is
@@ -57,6 +57,12 @@ class ServiceMeter:
         if cost:
             self.served[req.tenant] = self.served.get(req.tenant, 0.0) + cost
         return cost
+
+    def refund_samples(self, req: Request, count: int) -> None:
+        """`req` finished while `count` samples charged for it were still in flight (two plans
+        in flight): they will be discarded, so they were no service."""
+        if count and self.output_weight:
+            self.served[req.tenant] = self.served.get(req.tenant, 0.0) - count * self.output_weight
 
     def request_cost(self, prompt_tokens: int, output_tokens: int) -> float:
         return prompt_tokens * self.prompt_weight + output_tokens * self.output_weight

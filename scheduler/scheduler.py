@@ -301,6 +301,7 @@ class Scheduler:
             self.waiting.remove(req)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.predictor.observe(req)
+        self.service.refund_samples(req, req.num_placeholders)  # in flight, to be discarded
         req.status = status
         req.metrics.finished_time = now
         self.kv.free(req)

@@ -151,10 +151,10 @@ class _Run:
             self.timeline.append(TimelinePoint(self.now, stats.num_running, stats.num_waiting,
                                                stats.num_swapped, used, batch.num_prefill_tokens,
                                                batch.num_decode_tokens))
+        outs = self.sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled), self.now)
         if self.sim.record_service:
             self.service.append(ServicePoint(self.now, dict(self.sched.service.served),
                                              frozenset(r.tenant for r in self.sched.waiting)))
-        outs = self.sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled), self.now)
         for out in outs:
             if out.new_token_ids:
                 self.known[out.req_id] += len(out.new_token_ids)
