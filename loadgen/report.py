@@ -39,6 +39,7 @@ class RequestRecord:
     priority: int = 0
     arrival_time: float = 0.0  # scheduled arrival (start_time >= it under a concurrency cap)
     group: int | None = None
+    user: str | None = None
 
     @property
     def tpot(self) -> float | None:

@@ -57,6 +57,8 @@ def build_payload(target: Target, req: WorkloadRequest) -> dict[str, Any]:
         body["min_tokens"] = req.output_len
     if req.priority:
         body["priority"] = req.priority
+    if req.user is not None:
+        body["user"] = req.user
     return body
 
 
@@ -127,7 +129,7 @@ async def send_request(
     """Send `req`, stream its answer, and return what happened (never raises on failure)."""
     record = RequestRecord(
         request_id=req.request_id, success=False, priority=req.priority,
-        arrival_time=req.arrival_time, group=req.group, prompt_tokens=req.prompt_len,
+        arrival_time=req.arrival_time, group=req.group, user=req.user, prompt_tokens=req.prompt_len,
     )
     sent = time.perf_counter()
     record.start_time = sent - run_start

@@ -51,6 +51,10 @@ class WorkloadRequest:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     group: int | None = None  # shared-prefix group, if any
+    user: str | None = None  # the OpenAI `user` (the tenant under fair share)
+    # The max_tokens the client declares; None: exactly output_len (ignore_eos). When
+    # larger, the request stops by EOS after output_len tokens (the simulator emits it).
+    max_tokens: int | None = None
 
 
 def _stream(seed: int, which: int) -> np.random.Generator:

@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Policy = Literal["fcfs", "priority"]
+Policy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
-VictimPolicy = Literal["newest", "priority"]
+VictimPolicy = Literal["newest", "priority", "fewest_output", "least_remaining", "largest_kv"]
+Predictor = Literal["learned", "max_tokens"]
+POLICIES: tuple[Policy, ...] = ("fcfs", "priority", "sjf", "fair")
+VICTIM_POLICIES: tuple[VictimPolicy, ...] = ("newest", "priority", "fewest_output", "least_remaining", "largest_kv")
+PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 
 DEFAULT_TOKEN_BUDGET = 2048
@@ -41,6 +45,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a chunk is only capped by the token budget
     preemption_mode: PreemptionMode = "recompute"
     victim_policy: VictimPolicy | None = None  # None: "priority" under the priority policy, else "newest"
+    # Output-length prediction (sjf ranks and least_remaining victims; see scheduler/predictor.py).
+    output_len_predictor: Predictor = "learned"
+    sjf_aging_rate: float = 100.0  # tokens of predicted work forgiven per second of waiting
+    # Virtual Token Counter (policy "fair"; see scheduler/fairness.py): cost per token served.
+    fair_prompt_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, share weight); others weigh 1
     enable_prefix_caching: bool = False
     priority_preemption_threshold: int | None = None  # None: waiting requests never preempt running ones
     # Cost model for preemption_mode="auto" (defaults: a Llama-3.1-8B-shaped model on an A100).
@@ -56,12 +67,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
-        if self.victim_policy not in (None, "newest", "priority"):
-            raise ValueError(f"victim_policy must be 'newest' or 'priority', got {self.victim_policy!r}")
+        if self.victim_policy is not None and self.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim_policy!r}")
+        self._check_policy_fields()
         if self.preemption_mode in ("swap", "auto") and self.num_cpu_blocks == 0:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} needs num_cpu_blocks > 0 (swap space)")
         if self.aging_period <= 0:
@@ -82,6 +94,23 @@ class SchedulerConfig:
         for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def _check_policy_fields(self) -> None:
+        if self.output_len_predictor not in PREDICTORS:
+            raise ValueError(f"output_len_predictor must be one of {', '.join(PREDICTORS)}, got {self.output_len_predictor!r}")
+        if not self.sjf_aging_rate > 0:
+            raise ValueError(f"sjf_aging_rate must be > 0 tokens per second, got {self.sjf_aging_rate}")
+        for name in ("fair_prompt_weight", "fair_output_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.fair_prompt_weight + self.fair_output_weight <= 0:
+            raise ValueError("fair_prompt_weight and fair_output_weight cannot both be 0")
+        names = [name for name, _ in self.tenant_weights]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant_weights names a tenant twice: {names}")
+        for name, weight in self.tenant_weights:
+            if not weight > 0:
+                raise ValueError(f"tenant_weights: weight of {name!r} must be > 0, got {weight}")
 
     @property
     def effective_victim_policy(self) -> VictimPolicy:

@@ -118,6 +118,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.blocks.get(request_id, [])
 
+    def blocks_freed_by(self, request: Request) -> int:
+        """Device blocks that freeing `request` would return to the pool (not shared)."""
+        refs = self.pool.ref_counts
+        return sum(1 for b in self.blocks.get(request.request_id, ()) if refs[b] == 1)
+
     # ---- swap -------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
         return len(self.blocks.get(request.request_id, ())) <= len(self.host_free)

@@ -4,16 +4,48 @@ is told about it. No state of their own; `Scheduler` applies the results."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler.config import SchedulerConfig, VictimPolicy
 from scheduler.output import ModelRunnerOutput, RequestOutput
+from scheduler.predictor import remaining_work
 from scheduler.request import Request, RequestStatus
 
+# How willing we are to evict a request: the largest key loses. Every key ends with
+# admit_seq, so ties go to the most recently admitted (vLLM's default victim).
+VictimKey = Callable[[Request, Callable[[Request], int]], tuple[float, ...]]
+VICTIM_KEYS: dict[str, VictimKey] = {
+    # vLLM's default: the most recently admitted.
+    "newest": lambda r, blocks: (r.admit_seq,),
+    # The least urgent (largest priority value), then the youngest arrival.
+    "priority": lambda r, blocks: (r.priority, r.arrival_time, r.admit_seq),
+    # SGLang's retraction order: the fewest tokens generated so far.
+    "fewest_output": lambda r, blocks: (-r.num_output_tokens, r.admit_seq),
+    # The least predicted work left (prefill still to do + predicted outputs not sampled).
+    "least_remaining": lambda r, blocks: (-remaining_work(r), r.admit_seq),
+    # The one whose preemption frees the most blocks.
+    "largest_kv": lambda r, blocks: (blocks(r), r.admit_seq),
+}
 
-def pick_victim(candidates: list[Request], policy: VictimPolicy) -> Request:
-    """"newest": the most recently admitted; "priority": the least urgent, then the youngest."""
-    if policy == "priority":
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
-    return max(candidates, key=lambda r: r.admit_seq)
+
+# Policies whose order moves with progress: a request nearing its end has the least work
+# left and, with recompute, the most after its preemption (least_remaining); one that grows
+# comes to hold the most blocks (largest_kv); two requests can then evict each other for
+# ever. Under these the oldest running request is never the victim unless it is alone, so
+# it always runs to its end (liveness). newest and priority need no guard: the oldest (or
+# the most urgent) already never gives way to the others.
+PROTECT_OLDEST = frozenset({"fewest_output", "least_remaining", "largest_kv"})
+
+
+def pick_victim(
+    running: list[Request], policy: VictimPolicy, blocks_freed: Callable[[Request], int] | None = None
+) -> Request:
+    """The running request (`running` in admission order) that gives way under `policy`.
+    `blocks_freed(r)`: device blocks preempting r would free (needed by "largest_kv")."""
+    key = VICTIM_KEYS[policy]
+    blocks = blocks_freed or (lambda r: 0)
+    candidates = running[1:] if policy in PROTECT_OLDEST and len(running) > 1 else running
+    return max(candidates, key=lambda r: key(r, blocks))
 
 
 def swap_is_cheaper(config: SchedulerConfig, num_tokens: int) -> bool:

@@ -1,7 +1,10 @@
-"""Waiting queues, chosen by policy: `FCFSQueue` and `PriorityQueue` (with aging).
+"""Waiting queues, chosen by policy (`make_waiting_queue`): `FCFSQueue`, `PriorityQueue`
+(with aging), `SJFQueue` (shortest predicted work, with aging) and, in
+`scheduler/fairness.py`, `FairQueue` (per-tenant Virtual Token Counter).
 
-Both hand out the next request to admit with `peek(now)` / `pop(now)`; a request preempted
+Each hands out the next request to admit with `peek(now)` / `pop(now)`; a request preempted
 by recompute goes back with `push_front` and keeps its arrival time and priority.
+`rank(request, now)` orders swapped requests the way the queue orders waiting ones.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
+from scheduler.config import SchedulerConfig
+from scheduler.fairness import FairQueue, ServiceMeter
+from scheduler.predictor import remaining_work
 from scheduler.request import Request
 
 
@@ -41,6 +47,9 @@ class FCFSQueue:
 
     def remove(self, request: Request) -> None:
         self._q.remove(request)
+
+    def rank(self, request: Request, now: float) -> tuple[float, float]:
+        return 0, request.arrival_time
 
 
 class PriorityQueue:
@@ -109,5 +118,74 @@ class PriorityQueue:
         self._removed.add(id(request))
         self._len -= 1
 
+    def rank(self, request: Request, now: float) -> tuple[float, float]:
+        return self.effective_priority(request, now), request.arrival_time
 
-WaitingQueue = FCFSQueue | PriorityQueue
+
+class SJFQueue:
+    """Shortest predicted remaining work first (`predictor.remaining_work`), aged: a request's
+    rank is its work minus `aging_rate` tokens per second it has waited.
+
+    Aging lowers every waiting rank at the same rate, so ordering by the constant
+    ``work + aging_rate * arrival_time`` is exact and one heap serves for all time. It gives
+    the starvation bound: a request x with predicted work W_x is admitted before every
+    request that arrives more than ``W_x / aging_rate`` seconds after it, since such a
+    request's key exceeds x's whatever its own work (>= 1 token).
+    """
+
+    def __init__(self, aging_rate: float) -> None:
+        self.aging_rate = aging_rate
+        self._heap: list[tuple[float, float, int, Request]] = []
+        self._live: dict[int, int] = {}  # id(request) -> sequence of its live heap entry
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (r for _, _, seq, r in self._heap if self._live.get(id(r)) == seq)
+
+    def key(self, request: Request) -> float:
+        return remaining_work(request) + self.aging_rate * request.arrival_time
+
+    def push(self, request: Request) -> None:
+        seq = next(self._seq)
+        self._live[id(request)] = seq
+        heapq.heappush(self._heap, (self.key(request), request.arrival_time, seq, request))
+
+    push_front = push  # a preempted request is ranked by what it has left to do
+
+    def peek(self, now: float) -> Request:
+        heap = self._heap
+        while heap and self._live.get(id(heap[0][3])) != heap[0][2]:
+            heapq.heappop(heap)
+        if not heap:
+            raise IndexError("peek from an empty queue")
+        return heap[0][3]
+
+    def pop(self, now: float) -> Request:
+        req = self.peek(now)
+        heapq.heappop(self._heap)
+        del self._live[id(req)]
+        return req
+
+    def remove(self, request: Request) -> None:
+        del self._live[id(request)]
+
+    def rank(self, request: Request, now: float) -> tuple[float, float]:
+        wait = max(0.0, now - request.arrival_time)
+        return remaining_work(request) - self.aging_rate * wait, request.arrival_time
+
+
+WaitingQueue = FCFSQueue | PriorityQueue | SJFQueue | FairQueue
+
+
+def make_waiting_queue(config: SchedulerConfig, meter: ServiceMeter) -> WaitingQueue:
+    """The waiting queue of `config.policy`; "fair" reads the service `meter`."""
+    if config.policy == "priority":
+        return PriorityQueue(config.aging_period)
+    if config.policy == "sjf":
+        return SJFQueue(config.sjf_aging_rate)
+    if config.policy == "fair":
+        return FairQueue(meter, config.tenant_weights)
+    return FCFSQueue()

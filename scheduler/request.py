@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from scheduler.sampling import SamplingParams
 
+DEFAULT_TENANT = "default"  # the tenant of a request that names none (no OpenAI `user`)
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that every finished state compares greater than every live one."""
@@ -71,6 +73,9 @@ class Request:
     stop_token_id: int | None = None  # the token that stopped it, when one did
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full known blocks
     admit_seq: int = -1  # order of (re)admission to the running set; larger = newer
+    tenant: str = DEFAULT_TENANT  # who is served (the OpenAI `user`), for fair share and prediction
+    predicted_output_tokens: int | None = None  # set once when queued (scheduler/predictor.py)
+    num_charged_tokens: int = 0  # positions already counted as service (scheduler/fairness.py)
     metrics: RequestMetrics = field(init=False)
     num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)
 

@@ -3,10 +3,11 @@
 Each `schedule()` call plans one step, in two phases:
 
 1. Running requests, in admission order: a prefill chunk or one decode token each. When the
-   block pool cannot serve one, preempt a victim (the newest, or the least urgent under the
-   priority policy) and retry — possibly the request itself.
+   block pool cannot serve one, preempt a victim chosen by the victim policy
+   (`policies.VICTIM_KEYS`) and retry — possibly the request itself.
 2. Only if nothing was preempted: swapped requests come back, then waiting requests are
-   admitted head-of-line, counting prefix-cache hits as already computed.
+   admitted head-of-line in the queue policy's order (`queues.make_waiting_queue`),
+   counting prefix-cache hits as already computed.
 
 Plans are published before the previous plan's output is applied (two in flight): a request
 that will sample counts a *placeholder* token until `update_from_output` delivers it.
@@ -18,10 +19,12 @@ import itertools
 import time
 
 from scheduler.config import SchedulerConfig
+from scheduler.fairness import ServiceMeter
 from scheduler.kv_manager import KVCacheManager, cdiv
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.policies import pick_victim, request_output, stop_status, swap_is_cheaper
-from scheduler.queues import FCFSQueue, PriorityQueue, WaitingQueue
+from scheduler.predictor import make_predictor
+from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step import StepBuilder
@@ -33,9 +36,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVCacheManager(config)
-        self.waiting: WaitingQueue = (
-            PriorityQueue(config.aging_period) if config.policy == "priority" else FCFSQueue()
-        )
+        self.service = ServiceMeter(config.fair_prompt_weight, config.fair_output_weight)
+        self.predictor = make_predictor(config.output_len_predictor)
+        self.waiting: WaitingQueue = make_waiting_queue(config, self.service)
         self.running: list[Request] = []  # admission order: the newest is last
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request
@@ -47,6 +50,7 @@ class Scheduler:
         self._admit_seq = itertools.count()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
+        self.num_recompute_tokens = 0  # computed tokens whose KV recompute preemptions dropped
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
 
     # ---- requests in and out ------------------------------------------------------------
@@ -67,6 +71,7 @@ class Scheduler:
                 f"the {self.config.num_gpu_blocks} the cache has"
             )
         request.status = RequestStatus.WAITING
+        request.predicted_output_tokens = self.predictor.predict(request)
         self.requests[rid] = request
         self.waiting.push(request)
 
@@ -133,7 +138,7 @@ class Scheduler:
                     step.add(req, n, new)
                     i += 1
                     break
-                victim = pick_victim(self.running, self.config.effective_victim_policy)
+                victim = pick_victim(self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, step)
@@ -181,6 +186,7 @@ class Scheduler:
             (step.resumed if rid in self._known_to_worker else step.new_reqs).add(rid)
             self._admit(req, step)
             step.add(req, n, new)
+            self.service.charge(req, hit_tokens + n, samples=False)  # now: the next pick sees it
             # Cache now, so that a sibling admitted later in this step shares these blocks:
             # the worker writes every new KV entry of a layer before attending. Safe because
             # a request admitted here is never unscheduled in the same step.
@@ -201,9 +207,11 @@ class Scheduler:
                 decode += 1
             else:
                 prefill += n
-            if req.num_computed_tokens + n == req.num_tokens + req.num_placeholders:
+            samples = req.num_computed_tokens + n == req.num_tokens + req.num_placeholders
+            if samples:
                 req.num_placeholders += 1
                 sampling.append(rid)
+            self.service.charge(req, req.num_computed_tokens + n, samples)
             req.num_computed_tokens += n
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -215,9 +223,7 @@ class Scheduler:
 
     # ---- preemption ---------------------------------------------------------------------
     def _urgency(self, req: Request, now: float) -> tuple[float, float]:
-        if isinstance(self.waiting, PriorityQueue):
-            return self.waiting.effective_priority(req, now), req.arrival_time
-        return 0, req.arrival_time
+        return self.waiting.rank(req, now)
 
     def _preempt_for_priority(self, req: Request, step: StepBuilder, now: float) -> bool:
         """Preempt the least urgent running request if `req` beats it by the threshold.
@@ -249,6 +255,7 @@ class Scheduler:
             self.num_swap_preemptions += 1
         else:
             self.kv.free(victim)
+            self.num_recompute_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             self.waiting.push_front(victim)
@@ -292,6 +299,9 @@ class Scheduler:
             self.swapped.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.predictor.observe(req)
+        self.service.refund_samples(req, req.num_placeholders)  # in flight, to be discarded
         req.status = status
         req.metrics.finished_time = now
         self.kv.free(req)
@@ -319,6 +329,9 @@ class Scheduler:
             step_num_reqs=reqs,
             step_prefill_tokens=prefill,
             step_decode_tokens=decode,
+            num_recompute_tokens=self.num_recompute_tokens,
+            output_len_predictions_scored=self.predictor.error.count,
+            output_len_prediction_abs_error=self.predictor.error.abs_sum,
         )
 
     def check_integrity(self) -> None:

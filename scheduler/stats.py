@@ -17,6 +17,9 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found cached (cumulative)
     num_preemptions: int  # cumulative
     num_swap_preemptions: int  # cumulative, subset of num_preemptions
+    num_recompute_tokens: int = 0  # cumulative: computed tokens dropped by recompute preemptions
+    output_len_predictions_scored: int = 0  # cumulative: finished requests whose prediction was scored
+    output_len_prediction_abs_error: float = 0.0  # cumulative |predicted - actual| output tokens
     # The last plan:
     step_num_reqs: int = 0
     step_prefill_tokens: int = 0

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 from aiohttp import web
 
+from scheduler.fairness import tenant_report
 from service import openai_routes
 from service.errors import APIError, Handler, error_middleware
 from service.metrics import CONTENT_TYPE
@@ -151,5 +152,6 @@ async def debug_kv(request: web.Request) -> web.Response:
             "num_waiting": stats.num_waiting,
             "num_swapped": stats.num_swapped,
             "num_unfinished_streams": engine.num_unfinished,
+            "tenants": tenant_report(engine.scheduler),
         }
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES, SchedulerConfig
+from scheduler.fairness import parse_tenant_weights
 from service.state import DEFAULT_MAX_BODY_SIZE
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -83,7 +85,29 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts across steps (default on)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap one prompt's chunk at this many tokens (0: only the budget caps it)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"], help="what preemption does with the victim's KV (swap and auto need --swap-space)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help="waiting-queue order; 'priority' uses each request's priority field")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES), help="waiting-queue order: fcfs; priority (each request's priority field); sjf (shortest predicted work first, aged); fair (Virtual Token Counter per `user`)")
+    _add_policy_flags(g)
+
+
+def _add_policy_flags(g: argparse._ArgumentGroup) -> None:
+    d = SchedulerConfig()
+    g.add_argument("--victim-policy", default=None, choices=list(VICTIM_POLICIES), help="which running request preemption evicts (default: priority under --scheduling-policy priority, else newest)")
+    g.add_argument("--output-len-predictor", default=d.output_len_predictor, choices=list(PREDICTORS), help="output-length prediction for sjf and least_remaining: learned (per user and prompt length) or max_tokens (default %(default)s)")
+    g.add_argument("--sjf-aging-rate", type=float, default=d.sjf_aging_rate, help="sjf: tokens of predicted work forgiven per second waited; nobody arriving more than W/rate s after a request of W tokens passes it (default %(default)s)")
+    g.add_argument("--tenant-weights", type=_tenant_weights, default=(), help="fair: share weights, e.g. alice=2,bob=1, or a JSON file {\"alice\": 2}; unnamed tenants weigh 1")
+
+
+def _tenant_weights(value: str) -> tuple[tuple[str, float], ...]:
+    try:
+        return parse_tenant_weights(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def policy_fields(a: dict[str, object]) -> dict[str, object]:
+    """The SchedulerConfig fields of the policy flags."""
+    return {"victim_policy": a["victim_policy"], "output_len_predictor": a["output_len_predictor"],
+            "sjf_aging_rate": a["sjf_aging_rate"], "tenant_weights": a["tenant_weights"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -107,6 +107,7 @@ class AsyncEngine:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         arrival_time: float | None = None,
+        user: str | None = None,
     ) -> RequestStream:
         """Queue a request for the loop and return its stream (iterate it; `close()` aborts)."""
         if self.dead.is_set():
@@ -125,6 +126,8 @@ class AsyncEngine:
             metrics=self.metrics,
         )
         req = Request(request_id, list(prompt_token_ids), sampling_params, now, eos_token_ids=self.eos_token_ids)
+        if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
+            req.tenant = user
         self._streams[request_id] = stream
         self._new.append(req)
         self._idle.clear()

@@ -37,7 +37,8 @@ class ServiceMetrics:
         disable_created_metrics()  # the *_created series only add noise to every scrape
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        self._last_cumulative = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+        self._last_cumulative = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "recompute_tokens": 0,
+                                 "predictions": 0, "prediction_error": 0}
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -56,6 +57,14 @@ class ServiceMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.num_recompute_tokens = counter("num_recompute_tokens", "Computed tokens whose KV recompute preemptions dropped.")
+        self.output_len_predictions = counter("output_len_predictions", "Finished requests whose predicted output length was scored.")
+        self.output_len_prediction_abs_error = counter(
+            "output_len_prediction_abs_error_tokens", "Sum of |predicted - actual| output tokens (divide by output_len_predictions)."
+        )
+        self.output_len_prediction_mean_abs_error = gauge(
+            "output_len_prediction_mean_abs_error_tokens", "Mean |predicted - actual| output tokens so far."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -88,6 +97,11 @@ class ServiceMetrics:
         self._inc_cumulative("prefix_queries", self.prefix_cache_queries, stats.prefix_cache_queries)
         self._inc_cumulative("prefix_hits", self.prefix_cache_hits, stats.prefix_cache_hits)
         self._inc_cumulative("preemptions", self.num_preemptions, stats.num_preemptions)
+        self._inc_cumulative("recompute_tokens", self.num_recompute_tokens, stats.num_recompute_tokens)
+        self._inc_cumulative("predictions", self.output_len_predictions, stats.output_len_predictions_scored)
+        self._inc_cumulative("prediction_error", self.output_len_prediction_abs_error, stats.output_len_prediction_abs_error)
+        scored = stats.output_len_predictions_scored
+        self.output_len_prediction_mean_abs_error.set(stats.output_len_prediction_abs_error / scored if scored else 0.0)
 
     def observe_step(self, num_reqs: int, prefill_tokens: int, decode_tokens: int, duration: float,
                      execute_time: float = 0.0) -> None:
@@ -132,7 +146,7 @@ class ServiceMetrics:
         families = list(self.registry.collect())
         return {s.name for family in families for s in family.samples} | {family.name for family in families}
 
-    def _inc_cumulative(self, key: str, counter: Counter, value: int) -> None:
+    def _inc_cumulative(self, key: str, counter: Counter, value: float) -> None:
         delta = value - self._last_cumulative[key]
         if delta > 0:
             counter.inc(delta)

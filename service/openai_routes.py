@@ -154,7 +154,7 @@ async def _serve(
     try:
         engine.check_capacity(len(choices))
         streams = [
-            engine.submit(c.prompt_ids, c.params, f"{meta.id}-{c.index}", stop=req.stop_strings, include_stop_str_in_output=req.include_stop_str_in_output)
+            engine.submit(c.prompt_ids, c.params, f"{meta.id}-{c.index}", stop=req.stop_strings, include_stop_str_in_output=req.include_stop_str_in_output, user=req.user)
             for c in choices
         ]
     except EngineOverloadedError as exc:

@@ -18,7 +18,7 @@ from aiohttp import web
 from scheduler.config import SchedulerConfig, token_budget
 from scheduler.scheduler import Scheduler
 from service.app import create_app
-from service.cli_args import build_parser, kv_cache_bytes
+from service.cli_args import build_parser, kv_cache_bytes, policy_fields
 from service.engine import AsyncEngine
 from service.metrics import ServiceMetrics
 from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState, Status
@@ -75,6 +75,7 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerCon
         preemption_mode=a["preemption_mode"],
         enable_prefix_caching=a["enable_prefix_caching"],
         kv_bytes_per_token=info.kv_bytes_per_token,
+        **policy_fields(a),
     )
     return config
 
@@ -188,5 +189,6 @@ def _static_scheduler_checks(args: argparse.Namespace) -> dict[str, object]:
         "enable_chunked_prefill": a["enable_chunked_prefill"],
         "long_prefill_token_threshold": a["long_prefill_token_threshold"],
         "preemption_mode": a["preemption_mode"],
+        **policy_fields(a),
     }
 

@@ -5,6 +5,7 @@
     stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len
     stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
     stepserve simulate calibrate --from bench_output.json [--out profile.json]
+    stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loadgen.plotting import PlotsUnavailable, require_plots
 from loadgen.report import format_table
+from loadgen.sim import policy_lab
 from loadgen.sim.calibrate import calibrate_bench
 from loadgen.sim.cost_model import get_hardware
-from loadgen.sim.plots import plot_sweep, plot_timeline
 from loadgen.sim.result import SimResult
 from loadgen.sim.roofline import format_roofline, roofline
 from loadgen.sim.setup import (
@@ -77,12 +79,16 @@ def _record(rec: Any) -> dict[str, Any]:
 
 def cmd_run(argv: list[str], compare: bool = False) -> int:
     args = _run_parser("stepserve simulate").parse_args(argv)
+    if args.timeline:
+        require_plots()
     strategies = list(STRATEGIES) if compare or args.strategy == "all" else [args.strategy]
     workload = build_workload(args)
     goodput = goodput_of(args)
     results = [run_strategy(args, s, workload, timeline=bool(args.timeline)) for s in strategies]
     summaries = {r.strategy: r.summary(goodput) for r in results}
     if args.timeline:
+        from loadgen.sim.plots import plot_timeline
+
         for r in results:
             path = args.timeline if len(results) == 1 else _suffixed(args.timeline, r.strategy)
             plot_timeline(r.timeline, path, f"{r.strategy}: {args.model_shape} on {args.hardware}")
@@ -119,8 +125,12 @@ def cmd_sweep(argv: list[str]) -> int:
     if args.param is None and preset is None:
         parser.error("give --param NAME V1,V2,... or --preset")
     name, values = (args.param[0], args.param[1].split(",")) if args.param else (preset.param, list(preset.values))  # type: ignore[union-attr]
+    if args.plot:
+        require_plots()
     rows = sweep(args, name, values)
     if args.plot:
+        from loadgen.sim.plots import plot_sweep
+
         plot_sweep(rows, name, args.plot, f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}")
     print(_dump(rows) if args.json else format_rows(rows, name))
     if args.result_json:
@@ -169,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `stepserve simulate`; returns the exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
     commands = {"sweep": cmd_sweep, "roofline": cmd_roofline, "calibrate": cmd_calibrate,
+                "compare-policies": policy_lab.main,
                 "compare": lambda rest: cmd_run(rest, compare=True), "run": cmd_run}
     try:
         if args and args[0] in commands:
             return commands[args[0]](args[1:])
         return cmd_run(args)
-    except ValueError as exc:
+    except (ValueError, PlotsUnavailable) as exc:
         print(f"stepserve simulate: error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from loadgen.report import RequestRecord, summarize
 from loadgen.workloads import WorkloadRequest
+from scheduler.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,37 @@ class TimelinePoint:
     kv_blocks_used: int
     prefill_tokens: int
     decode_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStat:
+    """What the scheduler knew of one request: who, when it first ran, what was predicted."""
+
+    request_id: str
+    tenant: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    prompt_len: int
+    output_len: int  # tokens it generated
+    predicted_output: int | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, req: Request) -> RequestStat:
+        m = req.metrics
+        return cls(req.request_id, req.tenant, req.arrival_time, m.first_scheduled_time,
+                   req.num_prompt_tokens, req.num_output_tokens, req.predicted_output_tokens,
+                   m.num_preemptions)
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePoint:
+    """Weighted tokens served per tenant so far, and the tenants with requests waiting, at
+    the end of one step (see scheduler/fairness.py for what counts as service)."""
+
+    time: float
+    served: dict[str, float]
+    backlogged: frozenset[str]
 
 
 class TokenClock:
@@ -52,7 +84,7 @@ class TokenClock:
         done = request_id in self.finish and unfinished_state is None
         rec = RequestRecord(request_id=request_id, success=done, prompt_tokens=w.prompt_len,
                             output_tokens=len(times), start_time=w.arrival_time,
-                            priority=w.priority, arrival_time=w.arrival_time, group=w.group)
+                            priority=w.priority, arrival_time=w.arrival_time, group=w.group, user=w.user)
         if not done:
             rec.error = f"unfinished: {unfinished_state or 'UNKNOWN'}"
             return rec
@@ -80,6 +112,9 @@ class SimResult:
     timeline: list[TimelinePoint] = field(default_factory=list)
     busy_time: float = 0.0  # virtual seconds spent in steps that computed something
     num_busy_steps: int = 0  # steps that took time (what a live engine's step histogram counts)
+    num_recompute_tokens: int = 0  # computed tokens dropped by recompute preemptions
+    request_stats: list[RequestStat] = field(default_factory=list)  # continuous batching only
+    service: list[ServicePoint] = field(default_factory=list)  # with record_service
 
     def summary(self, goodput: dict[str, float] | None = None) -> dict[str, Any]:
         """`loadgen.report.summarize` keys plus the simulator's own."""
@@ -89,6 +124,7 @@ class SimResult:
             num_steps=self.num_steps,
             num_preemptions=self.num_preemptions,
             num_swap_preemptions=self.num_swap_preemptions,
+            num_recompute_tokens=self.num_recompute_tokens,
             unfinished=len(self.unfinished),
             unfinished_states=dict(Counter(self.unfinished.values())),
             mean_kv_cache_usage=self.mean_kv_cache_usage,

@@ -24,7 +24,8 @@ from loadgen.sim.result import SimResult
 from loadgen.sim.simulator import SimLimits, Simulator
 from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
-from scheduler.config import SchedulerConfig, token_budget
+from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES, SchedulerConfig, token_budget
+from scheduler.fairness import parse_tenant_weights
 
 STRATEGIES = ("continuous", "static", "padding")
 
@@ -54,7 +55,14 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_chunked_prefill)
     g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=d.preemption_mode)
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d.policy)
+    g.add_argument("--scheduling-policy", choices=POLICIES, default=d.policy)
+    g.add_argument("--victim-policy", choices=VICTIM_POLICIES, default=None,
+                   help="default: priority under --scheduling-policy priority, else newest")
+    g.add_argument("--output-len-predictor", choices=PREDICTORS, default=d.output_len_predictor)
+    g.add_argument("--sjf-aging-rate", type=float, default=d.sjf_aging_rate,
+                   help="sjf: tokens of predicted work forgiven per second waited")
+    g.add_argument("--tenant-weights", type=parse_tenant_weights, default=(),
+                   help="fair: TENANT=W,... or a JSON file; tenants are the workload's users")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching)
 
@@ -90,7 +98,7 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
 
 def scheduler_config_from_args(args: argparse.Namespace, workload: list[WorkloadRequest],
                                cm: CostModel) -> SchedulerConfig:
-    longest = max((w.prompt_len + w.output_len for w in workload), default=1)
+    longest = max((w.prompt_len + (w.max_tokens or w.output_len) for w in workload), default=1)
     cpu_blocks = args.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
@@ -107,6 +115,10 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=args.enable_prefix_caching,
+        victim_policy=args.victim_policy,
+        output_len_predictor=args.output_len_predictor,
+        sjf_aging_rate=args.sjf_aging_rate,
+        tenant_weights=args.tenant_weights,
         kv_bytes_per_token=cm.shape.kv_bytes_per_token,
         flops_per_token=float(cm.shape.dense_flops_per_token),
         swap_bandwidth=cm.hardware.host_bandwidth,
@@ -140,7 +152,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     keep = ("num_prompts", "request_rate", "burstiness", "seed", "dataset", "model_shape", "hardware",
             "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
             "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "preemption_mode",
-            "scheduling_policy", "enable_prefix_caching", "batch_size", "batch_timeout")
+            "scheduling_policy", "victim_policy", "output_len_predictor", "sjf_aging_rate",
+            "tenant_weights", "enable_prefix_caching", "batch_size", "batch_timeout")
     cfg = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     cfg.update(prompt_len=str(args.prompt_len), output_len=str(args.output_len))
     return cfg

@@ -11,7 +11,9 @@ and when nothing is left to run the clock jumps to the next arrival. The simulat
 samples a token for a request exactly when the worker would: when the scheduled chunk
 reaches the end of the request's known tokens (context + n == prompt + outputs so far;
 with one plan in flight nothing is ever sampled-but-unreceived). Outputs are exact
-lengths: `SamplingParams(max_tokens=output_len, ignore_eos=True)`.
+lengths: `SamplingParams(max_tokens=output_len, ignore_eos=True)`, or, for a request that
+declares a larger `max_tokens`, the simulated worker samples EOS as its output_len-th token.
+A workload request's `user` is its tenant.
 
 Every request ends finished or is reported unfinished with its state: a run stops early
 on `max_steps`, `max_time` (virtual seconds) or a stall (no token for a long while).
@@ -23,7 +25,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from loadgen.sim.cost_model import BatchShape, CostModel
-from loadgen.sim.result import KVUsage, SimResult, TimelinePoint, TokenClock
+from loadgen.sim.result import (
+    KVUsage,
+    RequestStat,
+    ServicePoint,
+    SimResult,
+    TimelinePoint,
+    TokenClock,
+)
 from loadgen.workloads import WorkloadRequest
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -31,7 +40,8 @@ from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
 
-SIM_TOKEN_ID = 1  # every simulated output token; never a stop token (ignore_eos, no stop ids)
+SIM_TOKEN_ID = 1  # every simulated output token but a request's EOS
+SIM_EOS_ID = 0  # the last token of a request that stops before its declared max_tokens
 
 
 @dataclass(frozen=True)
@@ -46,16 +56,21 @@ class SimLimits:
 def scheduler_request(w: WorkloadRequest) -> Request:
     """The scheduler's view of a workload request; token ids are synthesised if absent."""
     ids = w.prompt_token_ids if w.prompt_token_ids is not None else [SIM_TOKEN_ID + 1] * w.prompt_len
-    params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, priority=w.priority)
-    return Request(request_id=w.request_id, prompt_token_ids=list(ids), sampling_params=params,
-                   arrival_time=w.arrival_time)
+    params = SamplingParams(max_tokens=w.max_tokens or w.output_len, ignore_eos=w.max_tokens is None,
+                            priority=w.priority)
+    req = Request(request_id=w.request_id, prompt_token_ids=list(ids), sampling_params=params,
+                  arrival_time=w.arrival_time, eos_token_ids=(SIM_EOS_ID,))
+    if w.user:
+        req.tenant = w.user
+    return req
 
 
 class Simulator:
     """Runs a workload through a fresh `Scheduler` on a virtual clock."""
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
-                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True) -> None:
+                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True,
+                 record_service: bool = False) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
         in step N+2. Off: each plan is made after the previous output (one in flight)."""
@@ -64,6 +79,7 @@ class Simulator:
         self.cost_model = cost_model
         self.limits = limits or SimLimits()
         self.record_timeline = record_timeline
+        self.record_service = record_service  # per-step service per tenant (fairness metrics)
         self.check_integrity = check_integrity
 
     def run(self, workload: list[WorkloadRequest]) -> SimResult:
@@ -79,6 +95,10 @@ class _Run:
         self.pending = deque(sorted(workload, key=lambda w: w.arrival_time))
         self.tokens = TokenClock(workload)
         self.known = {w.request_id: w.prompt_len for w in workload}  # tokens the worker knows
+        # the known-token count at which a request samples EOS (absent: never)
+        self.eos_at = {w.request_id: w.prompt_len + w.output_len - 1 for w in workload
+                       if w.max_tokens is not None and w.max_tokens > w.output_len}
+        self.service: list[ServicePoint] = []
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
         self.queued: SchedulerOutput | None = None  # with overlap: the plan that runs next
@@ -109,7 +129,7 @@ class _Run:
             samples = ctx + n == self.known[rid]
             batch.add(n, ctx, samples)
             if samples:
-                sampled[rid] = SIM_TOKEN_ID
+                sampled[rid] = SIM_EOS_ID if self.eos_at.get(rid) == ctx + n else SIM_TOKEN_ID
         batch.swap_blocks = len(plan.swap_out) + len(plan.swap_in)
         return batch, sampled
 
@@ -132,6 +152,9 @@ class _Run:
                                                stats.num_swapped, used, batch.num_prefill_tokens,
                                                batch.num_decode_tokens))
         outs = self.sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled), self.now)
+        if self.sim.record_service:
+            self.service.append(ServicePoint(self.now, dict(self.sched.service.served),
+                                             frozenset(r.tenant for r in self.sched.waiting)))
         for out in outs:
             if out.new_token_ids:
                 self.known[out.req_id] += len(out.new_token_ids)
@@ -174,6 +197,10 @@ class _Run:
         unfinished.update((w.request_id, "NOT_ARRIVED") for w in self.pending)
         records = [self.tokens.record(rid, unfinished.get(rid)) for rid in self.tokens.requests]
         stats = self.sched.stats()
-        return SimResult("continuous", records, self.now, self.steps, stats.num_preemptions,
-                         stats.num_swap_preemptions, unfinished, self.kv.mean, self.kv.max,
-                         reason, self.timeline, self.kv.total_time, self.kv.busy_steps)
+        result = SimResult("continuous", records, self.now, self.steps, stats.num_preemptions,
+                           stats.num_swap_preemptions, unfinished, self.kv.mean, self.kv.max,
+                           reason, self.timeline, self.kv.total_time, self.kv.busy_steps)
+        result.num_recompute_tokens = stats.num_recompute_tokens
+        result.request_stats = [RequestStat.of(r) for r in self.requests.values()]
+        result.service = self.service
+        return result

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loadgen.poisson import load_tokenizer
 from loadgen.prompts import PromptBuilder, encode
+from loadgen.tokenizer import load_tokenizer
 from loadgen.workloads import (
     LengthDist,
     PriorityMix,

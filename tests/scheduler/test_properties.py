@@ -1,4 +1,6 @@
-"""Property tests over random workloads: budgets, KV accounting, liveness.
+"""Property tests over random workloads: budgets, KV accounting, liveness — under every
+queue policy (fcfs, priority, sjf with either predictor, fair with tenant weights) and every
+victim policy.
 
 After every step: the plan respects the token budget and max_num_seqs, blocks in use equal
 what live requests hold (ref counts match holders, nothing freed twice), and the mirror
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from sched_driver import EOS, MirrorWorker, make_request
 
 from scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES
 from scheduler.kv_manager import cdiv
 
 
@@ -27,6 +30,7 @@ class Spec:
     abort_at: int | None
     shared: bool
     ignore_eos: bool
+    tenant: str
 
 
 specs = st.builds(
@@ -38,6 +42,7 @@ specs = st.builds(
     abort_at=st.none() | st.integers(0, 60),
     shared=st.booleans(),
     ignore_eos=st.booleans(),
+    tenant=st.sampled_from(["a", "b", "c"]),
 )
 
 
@@ -49,7 +54,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
     min_blocks = max(cdiv(r.prompt_len + r.max_tokens, block_size) for r in reqs)
     chunked = draw(st.booleans())
     mode = draw(st.sampled_from(["recompute", "swap", "auto"]))
-    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    policy = draw(st.sampled_from(POLICIES))
     budget = draw(st.integers(4, 128))
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget if chunked else max(budget, longest),
@@ -66,6 +71,10 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
         enable_prefix_caching=draw(st.booleans()),
         priority_preemption_threshold=draw(st.sampled_from([None, 2])) if policy == "priority" else None,
         swap_bandwidth=draw(st.sampled_from([1e6, 16e9, 1e15])),
+        victim_policy=draw(st.sampled_from([None, *VICTIM_POLICIES])),
+        output_len_predictor=draw(st.sampled_from(PREDICTORS)),
+        sjf_aging_rate=draw(st.sampled_from([0.5, 10.0, 1000.0])),
+        tenant_weights=draw(st.sampled_from([(), (("a", 3.0),), (("b", 0.5), ("c", 2.0))])),
     )
     return cfg, reqs, draw(st.booleans())
 
@@ -93,7 +102,7 @@ def test_random_workloads_keep_invariants_and_finish(scenario: tuple[SchedulerCo
         prompt = prefix[: sp.prompt_len] if sp.shared else [3000 + i * 100 + j for j in range(sp.prompt_len)]
         reqs[f"q{i}"] = make_request(
             f"q{i}", 0, sp.max_tokens, arrival=float(sp.arrival), priority=sp.priority,
-            prompt=prompt, ignore_eos=sp.ignore_eos,
+            prompt=prompt, ignore_eos=sp.ignore_eos, tenant=sp.tenant,
         )
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     last_arrival = max(sp.arrival for sp in specs_)

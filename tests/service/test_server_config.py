@@ -33,3 +33,24 @@ def test_token_budget_defaults_follow_chunked_prefill(capsys: pytest.CaptureFixt
     assert scheduler_config(explicit, _info(512)).max_num_batched_tokens == 1024
     assert serve_main(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-model-len", "4096"]) == 2
     assert "must be >= max_model_len" in capsys.readouterr().err
+
+
+def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--scheduling-policy", "sjf", "--victim-policy", "least_remaining",
+                              "--output-len-predictor", "max_tokens", "--sjf-aging-rate", "5"])
+    config = scheduler_config(args, _info(1024))
+    assert (config.policy, config.victim_policy, config.output_len_predictor, config.sjf_aging_rate) == (
+        "sjf", "least_remaining", "max_tokens", 5.0)
+    weights = tmp_path / "w.json"  # type: ignore[operator]
+    weights.write_text('{"alice": 2, "bob": 0.5}')
+    for spec in ("alice=2,bob=0.5", str(weights)):
+        args = parser.parse_args(["--scheduling-policy", "fair", "--tenant-weights", spec])
+        assert scheduler_config(args, _info(1024)).tenant_weights == (("alice", 2.0), ("bob", 0.5))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tenant-weights", "alice"])
+    assert "not TENANT=WEIGHT" in capsys.readouterr().err
+    assert serve_main(["--scheduling-policy", "fair", "--tenant-weights", "alice=0"]) == 2
+    assert "must be > 0" in capsys.readouterr().err
+    assert serve_main(["--sjf-aging-rate", "0"]) == 2
+    assert "sjf_aging_rate" in capsys.readouterr().err

@@ -22,12 +22,16 @@ def make_request(
     arrival: float = 0.0,
     priority: int = 0,
     prompt: list[int] | None = None,
+    tenant: str | None = None,
     **params: object,
 ) -> Request:
     params.setdefault("ignore_eos", True)
     sp = SamplingParams(max_tokens=max_tokens, priority=priority, **params)  # type: ignore[arg-type]
     tokens = prompt if prompt is not None else [100 + (hash((rid, i)) % 1000) for i in range(prompt_len)]
-    return Request(rid, tokens, sp, arrival_time=arrival, eos_token_ids=(EOS,))
+    req = Request(rid, tokens, sp, arrival_time=arrival, eos_token_ids=(EOS,))
+    if tenant is not None:
+        req.tenant = tenant
+    return req
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""The Markdown report of `compare-policies`: the issue's targets first, then per trace a
+table over its points (victim newest) and one over every queue x victim policy at the
+trace's headline point."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+# The point of each trace the per-policy tables show: the most telling one.
+HEADLINE = {"token-budget": "2048", "kv-capacity": "50", "length-variance": "4", "tenant-flood": "4:1"}
+
+COLUMNS = (("goodput", "goodput req/s", ".2f"), ("short_p50_ms", "short p50 ms", ".0f"),
+           ("short_p99_ms", "short p99 ms", ".0f"), ("longest_wait_s", "longest wait s", ".1f"),
+           ("preemptions", "preempt", "d"), ("recompute_tokens", "recompute tok", "d"))
+FAIR_COLUMNS = (("service_gap", "service gap", ".0f"), ("jain", "Jain", ".3f"))
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return format(value, spec) if spec != "d" else str(int(value))
+
+
+def _table(rows: list[dict[str, Any]], keys: tuple[str, ...], columns: tuple[tuple[str, str, str], ...]) -> list[str]:
+    head = [*keys, *(title for _, title, _ in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r[k]) for k in keys] + [_fmt(r.get(key), spec) for key, _, spec in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _find(rows: list[dict[str, Any]], **match: str) -> dict[str, Any] | None:
+    return next((r for r in rows if all(r[k] == v for k, v in match.items())), None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "—"
+
+
+def _variance_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    fcfs = _find(rows, trace="length-variance", point="4", queue="fcfs", victim="newest", mode=mode)
+    sjf = _find(rows, trace="length-variance", point="4", queue="sjf", victim="newest", mode=mode)
+    if fcfs is None or sjf is None:
+        return []
+    held = sjf.get("aging_margin_s", 1.0) <= 1e-9
+    return [
+        "**SJF (learned) vs FCFS, length variance at its largest (spread 4), victim newest:**",
+        f"goodput {fcfs['goodput']:.2f} -> {sjf['goodput']:.2f} req/s ({_ratio(sjf['goodput'], fcfs['goodput'])}, target >= 1.3x); "
+        f"shortest quartile p99 {fcfs['short_p99_ms']:.0f} -> {sjf['short_p99_ms']:.0f} ms "
+        f"({_ratio(fcfs['short_p99_ms'], sjf['short_p99_ms'])} lower, target >= 2x); longest wait "
+        f"{fcfs['longest_wait_s']:.1f} -> {sjf['longest_wait_s']:.1f} s; aging bound "
+        f"{'held' if held else 'VIOLATED'} (worst margin {sjf['aging_margin_s']:.1f} s; no request is passed by "
+        f"one arriving more than W/rate after it, W/rate <= {sjf['aging_window_max_s']:.1f} s here).", "",
+    ]
+
+
+def _flood_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    out = ["**Two tenants, one flooding at 4x, victim newest:**"]
+    for queue in ("fcfs", "fair"):
+        r = _find(rows, trace="tenant-flood", queue=queue, victim="newest", mode=mode)
+        if r is None or r.get("service_gap") is None:
+            continue
+        out.append(f"- {queue}: largest service gap while both are backlogged {r['service_gap']:.0f} weighted tokens "
+                   f"(bound {r['vtc_bound']:.0f}; with the KV term {r['vtc_bound_kv']:.0f}); Jain "
+                   f"{_fmt(r['jain'], '.3f')} over {r['backlogged_s']:.1f} s backlogged")
+    return [*out, ""] if len(out) > 1 else []
+
+
+def _victim_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    got = [r for r in rows if r["trace"] == "kv-capacity" and r["point"] == "50" and r["queue"] == "fcfs" and r["mode"] == mode]
+    if not got:
+        return []
+    cells = ", ".join(f"{r['victim']} {r['recompute_tokens']} ({r['preemptions']} preemptions)" for r in got)
+    return ["**Recomputed tokens per victim policy, KV capacity 50 blocks, fcfs:** " + cells + ".", ""]
+
+
+def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    mode = rows[0]["mode"] if rows else "recompute"
+    lines = ["# compare-policies", "",
+             f"SLO: {' '.join(args.goodput)} (a request is good when it meets all); scale {args.scale}; "
+             f"length-variance rate {args.variance_rate} req/s; preemption modes: {args.preemption_modes}.", "", "## Targets", "",
+             *_variance_target(rows, mode), *_flood_target(rows, mode), *_victim_target(rows, mode)]
+    for name in dict.fromkeys(r["trace"] for r in rows):
+        mine = [r for r in rows if r["trace"] == name]
+        cols = COLUMNS + (FAIR_COLUMNS if "jain" in mine[0] else ())
+        points = [r["point"] for r in mine]
+        head = HEADLINE[name] if HEADLINE.get(name) in points else points[0]
+        lines += [f"## {name}", "", "Victim newest, every point:", ""]
+        lines += _table([r for r in mine if r["victim"] == "newest"], ("point", "queue", "mode"), cols)
+        lines += ["", f"Every queue x victim policy at {head}:", ""]
+        lines += _table([r for r in mine if r["point"] == head], ("queue", "victim", "mode"), cols)
+        lines.append("")
+    return "\n".join(lines)
