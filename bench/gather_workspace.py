@@ -44,7 +44,7 @@ def run_variant(variant: str, batch: int, context: int, steps: int, threads: int
         inputs.add(state)
         inputs.set_blocks(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
         scheduled.append((state, 1))
-    meta = inputs.prepare(scheduled).attn_metadata
+    meta = inputs.attention_metadata(inputs.prepare(scheduled))
     attention = TorchAttention()
     if variant == "fresh":
         attention.workspace.gather = lambda cache, ids, which: gather_blocks(cache, ids)  # type: ignore[method-assign]

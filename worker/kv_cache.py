@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.input_batch import PlanError
 from worker.model_config import ModelConfig
 
 GIB = 1 << 30
@@ -55,6 +56,7 @@ class KVCache:
         if not pairs:
             return
         host = self._host("swap_out")
+        check_swap_pairs(pairs, (), self.num_blocks, self.num_host_blocks)
         src, dst = self._indices(pairs, self.device_cache.device, host.device)
         host.index_copy_(2, dst, self.device_cache.index_select(2, src).to(host.device))
 
@@ -63,6 +65,7 @@ class KVCache:
         if not pairs:
             return
         host = self._host("swap_in")
+        check_swap_pairs((), pairs, self.num_blocks, self.num_host_blocks)
         src, dst = self._indices(pairs, host.device, self.device_cache.device)
         blocks = host.index_select(2, src).to(self.device_cache.device, non_blocking=True)
         self.device_cache.index_copy_(2, dst, blocks)
@@ -79,6 +82,19 @@ class KVCache:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=src_device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dst_device)
         return src, dst
+
+
+def check_swap_pairs(swap_out: tuple[tuple[int, int], ...], swap_in: tuple[tuple[int, int], ...],
+                     num_device: int, num_host: int) -> None:
+    """Raise `PlanError` for a swap naming a device or host block that does not exist."""
+    device = [d for d, _ in swap_out] + [d for _, d in swap_in]
+    host = [h for _, h in swap_out] + [h for h, _ in swap_in]
+    bad = [b for b in device if not 0 <= b < num_device]
+    if bad:
+        raise PlanError(f"swap names device block ids {bad} outside [0, {num_device})")
+    bad = [h for h in host if not 0 <= h < num_host]
+    if bad:
+        raise PlanError(f"swap names host block ids {bad} outside [0, {num_host})")
 
 
 def num_cpu_blocks(kv_cache_memory: int, block_bytes: int) -> int:

@@ -1,10 +1,8 @@
 """`ModelRunner`: loads the model and KV cache, and executes step plans as diffs.
 
-Per plan, in this order: drop finished/aborted requests; take preempted ones out of the batch
-(keeping tokens and rng); swap out, then swap in; add new requests; extend (or, on resume,
-replace) block tables; then one forward over the flattened batch, logits for the requests
-whose chunk reaches their last known token, and the sampler. A sampled token is appended to
-the request at once, so the next plan can be executed before the scheduler has seen it.
+Plans are applied by `worker.step_executor` (the one plan consumer); this runner is the model
+behind it: swaps between the KV cache and its host pool, then one forward over the flattened
+batch, logits for the requests whose chunk reaches their last known token, and the sampler.
 """
 
 from __future__ import annotations
@@ -17,10 +15,10 @@ from pathlib import Path
 import torch
 
 from scheduler.kv_manager import cdiv
-from scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from worker.attention import StepAttention, make_attention_backend
 from worker.config import WorkerConfig, WorkerInfo
-from worker.input_batch import InputBatch, RequestState, StepInputs
+from worker.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.kernel_probe import KernelChoice, choose_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
 from worker.loader import (
@@ -34,6 +32,7 @@ from worker.model import LlamaForCausalLM
 from worker.model_config import ModelConfig
 from worker.quant import Weight
 from worker.sampler import Sampler, SamplingMetadata
+from worker.step_executor import StepExecutor
 from worker.weight_form import WeightForm
 
 log = logging.getLogger("stepserve.worker")
@@ -99,7 +98,9 @@ class ModelRunner:
         self.model = self._build_model(weights)
         self.kv_cache = self._make_kv_cache()
         self.attention = StepAttention(backend, self.kv_cache.layers())
-        self.batch = InputBatch(self.max_model_len, config.block_size, self.device)
+        self.batch = InputBatch(self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks)
+        self.executor = StepExecutor(self.batch, self)
+        self.forward = self.model.forward
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.info = self._info(path)
 
@@ -146,9 +147,9 @@ class ModelRunner:
         batch.set_blocks(state, list(range(scratch.num_blocks)))
         torch.cuda.reset_peak_memory_stats(self.device)
         step = batch.prepare([(state, tokens)])
-        attention = StepAttention(self.attention.backend, scratch.layers()).bind(step.attn_metadata)
-        hidden = self.model(step.input_ids, step.positions, attention)
-        self.model.compute_logits(hidden[step.logits_indices])
+        attention = StepAttention(self.attention.backend, scratch.layers()).bind(batch.attention_metadata(step))
+        hidden = self.model(batch.to_device(step.input_ids), batch.to_device(step.positions), attention)
+        self.model.compute_logits(hidden[batch.to_device(step.logits_indices)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.device_cache.nbytes
         del scratch, hidden
@@ -187,70 +188,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Apply `plan` and run its forward; returns the sampled token of each request."""
-        self._apply_plan(plan)
-        if plan.is_empty:
-            return ModelRunnerOutput(step_id=plan.step_id, sampled_token_ids={})
-        scheduled = [(self._state(req_id), n) for req_id, n in plan.num_scheduled_tokens.items()]
-        step = self.batch.prepare(scheduled)
-        hidden = self.model(step.input_ids, step.positions, self.attention.bind(step.attn_metadata))
-        for state, n in scheduled:
-            state.num_computed_tokens += n
-        return self._sample(plan.step_id, step, hidden)
+        return self.executor.execute(plan)
 
-    def _apply_plan(self, plan: SchedulerOutput) -> None:
-        for req_id in plan.finished_req_ids | plan.aborted_req_ids:
-            self.batch.remove(req_id)
-        for req_id in plan.preempted_req_ids:
-            if req_id in self.batch.requests:
-                self.batch.deactivate(self.batch.requests[req_id])
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        for new in plan.scheduled_new_reqs:
-            self._add(new)
-        for cached in plan.scheduled_cached_reqs:
-            self._update(cached)
+    # ---- the StepModel side (worker.step_executor) ------------------------------------------
 
-    def _add(self, new: NewRequestData) -> None:
-        seed = new.sampling_params.seed
-        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        state = RequestState(
-            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
-            sampling_params=new.sampling_params, generator=generator,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-        )
-        self.batch.add(state)
+    def swap(self, swap_out: SwapPairs, swap_in: SwapPairs) -> None:
+        self.kv_cache.swap_out(swap_out)
+        self.kv_cache.swap_in(swap_in)
 
-    def _update(self, cached: CachedRequestData) -> None:
-        state = self.batch.requests.get(cached.req_id)
-        if state is None:
-            raise RuntimeError(f"plan updates request {cached.req_id!r}, which the worker does not hold")
-        if cached.resumed_from_preemption:
-            self.batch.deactivate(state)  # a resume always brings a whole new block table
-            state.block_ids = list(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-            self.batch.activate(state)
-            return
-        if state.row < 0:
-            raise RuntimeError(f"request {cached.req_id!r} is preempted but the plan does not resume it")
-        if cached.num_computed_tokens != state.num_computed_tokens:
-            raise RuntimeError(
-                f"request {cached.req_id!r}: plan says {cached.num_computed_tokens} computed tokens, "
-                f"the worker has {state.num_computed_tokens}"
-            )
-        if cached.new_block_ids:
-            self.batch.set_blocks(state, state.block_ids + list(cached.new_block_ids))
-
-    def _state(self, req_id: str) -> RequestState:
-        state = self.batch.requests.get(req_id)
-        if state is None or state.row < 0:
-            raise RuntimeError(f"plan schedules request {req_id!r}, which the worker does not hold in its batch")
-        return state
-
-    def _sample(self, step_id: int, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def run(self, step: StepInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Forward over the step, then sample the requests whose chunk reached their end."""
+        to_device = self.batch.to_device
+        attention = self.attention.bind(self.batch.attention_metadata(step))
+        hidden = self.forward(to_device(step.input_ids), to_device(step.positions), attention)
         states = step.sampling_states
         if not states:
-            return ModelRunnerOutput(step_id=step_id, sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+            return [], []
+        logits = self.model.compute_logits(hidden[to_device(step.logits_indices)])
         meta = SamplingMetadata(
             params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],
@@ -259,11 +213,4 @@ class ModelRunner:
             eos_token_ids=self.info.eos_token_ids,
         )
         out = self.sampler.sample(logits, meta)
-        for state, token in zip(states, out.token_ids, strict=True):
-            self.batch.append_token(state, token)
-        logprobs = {s.req_id: lp for s, lp in zip(states, out.logprobs, strict=True) if lp is not None}
-        return ModelRunnerOutput(
-            step_id=step_id,
-            sampled_token_ids={s.req_id: t for s, t in zip(states, out.token_ids, strict=True)},
-            logprobs=logprobs,
-        )
+        return out.token_ids, out.logprobs

@@ -1,16 +1,20 @@
 """Shared drivers for tests that run the real scheduler: request factory and a mirror of the worker.
 
-`MirrorWorker` applies plans exactly as the real worker does (token lists kept per request,
-preempted requests keep their state, finished/aborted ones are dropped) and checks every
-plan against what it knows, so scheduler tests also test the plan protocol.
+`MirrorWorker` applies plans with the real worker's plan consumer (token lists kept per
+request, preempted requests keep their state, finished/aborted ones are dropped, every plan
+checked against what the worker holds), so scheduler tests also test the plan protocol.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import torch
 
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerOutput
+from scheduler.output import TokenLogprobs
+from worker.input_batch import InputBatch, RequestState, StepInputs
+from worker.step_executor import StepExecutor
 
 EOS = 2
 
@@ -34,23 +38,13 @@ def make_request(
     return req
 
 
-@dataclass
-class _State:
-    tokens: list[int]
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    active: bool = True
-    prefix_hashes: list[int] = field(default_factory=list)  # [i]: identity of tokens[: i + 1]
-
-    def prefix_hash(self, pos: int) -> int:
-        while len(self.prefix_hashes) <= pos:
-            i = len(self.prefix_hashes)
-            self.prefix_hashes.append(hash((self.prefix_hashes[-1] if i else 0, self.tokens[i])))
-        return self.prefix_hashes[pos]
-
-
 class MirrorWorker:
-    """A model-free worker: tokens come from `next_token(req_id, position)`."""
+    """A model-free worker: the real plan consumer (`worker.step_executor` over the real
+    `InputBatch`) with a model whose tokens come from `next_token(req_id, position)` and
+    whose "KV cache" records which token prefix wrote each slot.
+
+    Attention at position p is right only if every slot it reads holds that request's own
+    prefix, so this checks prefix sharing, swaps and recompute end to end."""
 
     def __init__(
         self,
@@ -58,20 +52,53 @@ class MirrorWorker:
         num_blocks: int,
         next_token: Callable[[str, int], int] | None = None,
         verify_kv: bool = True,
+        max_model_len: int = 8192,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.next_token = next_token or (lambda rid, pos: 1000 + (hash((rid, pos)) % 5000))
         self.verify_kv = verify_kv
-        self.reqs: dict[str, _State] = {}
-        # What each KV slot holds: the identity of the token prefix whose last token wrote it.
-        # Attention at position p is right only if every slot it reads holds that request's
-        # own prefix, so this checks prefix sharing, swaps and recompute end to end.
-        self.device: dict[int, int] = {}
+        self.device: dict[int, int] = {}  # slot -> identity of the prefix whose last token wrote it
         self.host: dict[int, int] = {}
+        self._prefix_hashes: dict[str, list[int]] = {}  # [i]: identity of tokens[: i + 1]
+        self.batch = InputBatch(max_model_len, block_size, torch.device("cpu"), num_blocks=num_blocks)
+        self.executor = StepExecutor(self.batch, self)
 
-    def _slot(self, st: _State, pos: int) -> int:
-        return st.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.executor.execute(plan)
+
+    # -- the StepModel side --
+
+    def swap(self, swap_out: tuple[tuple[int, int], ...], swap_in: tuple[tuple[int, int], ...]) -> None:
+        self._copy_blocks(swap_out, self.device, self.host)
+        self._copy_blocks(swap_in, self.host, self.device)
+
+    def run(self, step: StepInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
+        slots = step.slots.tolist()
+        assert len(set(slots)) == len(slots), "two tokens write one KV slot in a step"
+        offset = 0
+        for state, n in step.scheduled:  # write all new KV first, as a layer does
+            for i, pos in enumerate(range(state.num_computed_tokens, state.num_computed_tokens + n)):
+                self.device[slots[offset + i]] = self._prefix_hash(state, pos)
+            offset += n
+        if self.verify_kv:
+            for state, n in step.scheduled:
+                for pos in range(state.num_computed_tokens + n):
+                    slot = state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+                    assert self.device.get(slot) == self._prefix_hash(state, pos), (
+                        f"{state.req_id}: stale KV at position {pos}"
+                    )
+        tokens = [self.next_token(s.req_id, s.num_tokens) for s in step.sampling_states]
+        return tokens, [None] * len(tokens)
+
+    def _prefix_hash(self, state: RequestState, pos: int) -> int:
+        hashes = self._prefix_hashes.setdefault(state.req_id, [])
+        tokens = state.prompt_token_ids
+        while len(hashes) <= pos:
+            i = len(hashes)
+            token = tokens[i] if i < len(tokens) else state.output_token_ids[i - len(tokens)]
+            hashes.append(hash((hashes[-1] if i else 0, token)))
+        return hashes[pos]
 
     def _copy_blocks(self, pairs: tuple[tuple[int, int], ...], src: dict[int, int], dst: dict[int, int]) -> None:
         for a, b in pairs:
@@ -80,52 +107,6 @@ class MirrorWorker:
                     dst[b * self.block_size + off] = src[a * self.block_size + off]
                 else:
                     dst.pop(b * self.block_size + off, None)
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in plan.finished_req_ids | plan.aborted_req_ids:
-            self.reqs.pop(rid, None)
-        for rid in plan.preempted_req_ids:
-            st = self.reqs[rid]
-            st.active, st.blocks = False, []
-        for new in plan.scheduled_new_reqs:
-            assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
-            self.reqs[new.req_id] = _State(list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
-        for cached in plan.scheduled_cached_reqs:
-            st = self.reqs[cached.req_id]
-            if cached.resumed_from_preemption:
-                st.blocks, st.active, st.computed = list(cached.new_block_ids), True, cached.num_computed_tokens
-            else:
-                assert st.active, f"{cached.req_id} scheduled while preempted, without resume"
-                st.blocks.extend(cached.new_block_ids)
-            assert st.computed == cached.num_computed_tokens, f"{cached.req_id}: computed mismatch"
-        self._copy_blocks(plan.swap_out, self.device, self.host)
-        self._copy_blocks(plan.swap_in, self.host, self.device)
-        sampled: dict[str, int] = {}
-        slots: set[int] = set()
-        for rid, n in plan.num_scheduled_tokens.items():  # write all new KV first, as a layer does
-            st = self.reqs[rid]
-            end = st.computed + n
-            assert end <= len(st.tokens), f"{rid}: computes past its known tokens"
-            assert len(st.blocks) * self.block_size >= end, f"{rid}: block table too short"
-            for pos in range(st.computed, end):
-                slot = self._slot(st, pos)
-                assert slot not in slots, "two tokens write one KV slot in a step"
-                slots.add(slot)
-                self.device[slot] = st.prefix_hash(pos)
-        for rid, n in plan.num_scheduled_tokens.items():
-            st = self.reqs[rid]
-            end = st.computed + n
-            if self.verify_kv:
-                for pos in range(end):
-                    assert self.device.get(self._slot(st, pos)) == st.prefix_hash(pos), (
-                        f"{rid}: stale KV at position {pos}"
-                    )
-            st.computed = end
-            if end == len(st.tokens):
-                tok = self.next_token(rid, end)
-                st.tokens.append(tok)
-                sampled[rid] = tok
-        return ModelRunnerOutput(step_id=plan.step_id, sampled_token_ids=sampled)
 
 
 def drive(

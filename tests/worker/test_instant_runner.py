@@ -9,6 +9,7 @@ import pytest
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
 from worker.config import WorkerConfig
+from worker.input_batch import PlanError
 from worker.instant_runner import INSTANT_EOS_TOKEN_ID, INSTANT_KV_BYTES_PER_TOKEN, InstantRunner
 
 CONFIG = WorkerConfig(block_size=4, kv_cache_memory=64 * 4 * INSTANT_KV_BYTES_PER_TOKEN)
@@ -74,7 +75,7 @@ def test_a_preempted_request_keeps_its_tokens_and_recomputes_on_resume() -> None
     admit(reference), admit(runner)
     expected = decode(reference, 1, computed=5)
     runner.execute(step(1, preempted_req_ids=frozenset({"a"})))
-    with pytest.raises(ValueError, match="preempted"):
+    with pytest.raises(PlanError, match="preempted"):
         decode(runner, 2, computed=5)
     # recompute: a new block table, KV from position 0, all 6 known tokens at once
     assert decode(runner, 3, computed=0, blocks=(9, 10), resumed=True, n=6) == expected
@@ -85,16 +86,16 @@ def test_finished_and_aborted_requests_are_dropped() -> None:
         runner = InstantRunner(CONFIG)
         admit(runner)
         runner.execute(step(1, **{kind: frozenset({"a"})}))
-        with pytest.raises(ValueError, match="unknown request 'a'"):
+        with pytest.raises(PlanError, match="'a', which the worker does not hold"):
             decode(runner, 2, computed=5)
 
 
 @pytest.mark.parametrize(
     ("computed", "n", "blocks", "message"),
     [
-        (5, 2, (), "worker knows 6 tokens"),  # past the last known token
+        (5, 2, (), "up to position 7 but the worker has 6 tokens"),  # past the last known token
         (5, 1, (99,), r"block ids \[99\] outside"),
-        (8, 1, (), "do not fit in 2 blocks"),  # position 8 needs a third block
+        (8, 1, (), "has 9 tokens and 2 blocks"),  # position 8 needs a third block
     ],
 )
 def test_impossible_plans_raise(computed: int, n: int, blocks: tuple[int, ...], message: str) -> None:
@@ -103,7 +104,7 @@ def test_impossible_plans_raise(computed: int, n: int, blocks: tuple[int, ...], 
     if computed == 8:  # make 9 tokens known, so only the block table is short
         for i in range(3):
             decode(runner, i + 1, computed=5 + i)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(PlanError, match=message):
         decode(runner, 9, computed=computed, blocks=blocks, n=n)
 
 

@@ -53,7 +53,8 @@ def run_ours(model_dir: Path, prompts: dict[str, list[int]], appended: dict[str,
             scheduled.append((state, n))
         step = batch.prepare(scheduled)
         with torch.inference_mode():
-            hidden = model(step.input_ids, step.positions, attention.bind(step.attn_metadata))
+            ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
+            hidden = model(ids, positions, attention.bind(batch.attention_metadata(step)))
             all_logits = model.compute_logits(hidden)
         offset = 0
         for state, n in step.scheduled:
@@ -156,7 +157,7 @@ def test_flash_glue_matches_torch_backend(block_size: int, requests: dict[str, t
         batch.add(state)
         batch.set_blocks(state, [free.pop(7 % len(free)) for _ in range(-(-(computed + n) // block_size))])
         scheduled.append((state, n))
-    meta = batch.prepare(scheduled).attn_metadata
+    meta = batch.attention_metadata(batch.prepare(scheduled))
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, 2, 8).unbind(0)
     t = meta.num_tokens
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
