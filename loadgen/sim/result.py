@@ -80,6 +80,9 @@ class SimResult:
     timeline: list[TimelinePoint] = field(default_factory=list)
     busy_time: float = 0.0  # virtual seconds spent in steps that computed something
     num_busy_steps: int = 0  # steps that took time (what a live engine's step histogram counts)
+    # with record_steps: the run's step records (`scheduler.step_records`) and their hello
+    step_hello: dict[str, Any] | None = None
+    step_records: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self, goodput: dict[str, float] | None = None) -> dict[str, Any]:
         """`loadgen.report.summarize` keys plus the simulator's own."""
