@@ -89,6 +89,7 @@ class StepRecorder:
         self.map_interval = map_interval
         self.predictor = predictor
         self._pending: dict[int, Record] = {}
+        self._prompt_len: dict[str, int] = {}  # of requests seen in plans, until they end
         self._map_dirty = True
         self._next_map = 0.0
 
@@ -97,6 +98,12 @@ class StepRecorder:
         rec = {"running": 0, "waiting": 0, "swapped": 0, "kv": [0, 0, 0], "blocks": block_map_of(self.sched)}
         self._counts(rec)
         return rec
+
+    def reset(self) -> None:
+        """Forget what was recorded (nobody listens any more: finishes would go unseen)."""
+        self._pending.clear()
+        self._prompt_len.clear()
+        self.force_map()
 
     def force_map(self) -> None:
         """Take the block map with the next plan (a new viewer needs a full picture)."""
@@ -108,6 +115,8 @@ class StepRecorder:
         changed = self._composition(plan, rec)
         rec["preempted"] = [list(p) for p in self.sched.last_preemptions]
         rec["aborted"] = sorted(plan.aborted_req_ids)
+        for rid in plan.aborted_req_ids:
+            self._prompt_len.pop(rid, None)
         rec["swap_out"], rec["swap_in"] = len(plan.swap_out), len(plan.swap_in)
         self._counts(rec)
         if self.predictor is not None:
@@ -138,6 +147,7 @@ class StepRecorder:
                     first.append(out.req_id)
             if out.finished:
                 finished.append([out.req_id, out.finish_reason])
+                self._prompt_len.pop(out.req_id, None)
         rec["tokens"] = tokens
         if finished and not self.sched.has_unfinished_requests():
             self._counts(rec)  # the last request left: show the pool as it left it
@@ -146,26 +156,37 @@ class StepRecorder:
 
     def _composition(self, plan: SchedulerOutput, rec: Record) -> bool:
         """Fill decode / prefill / new / resumed / swapped_in; True if a block table changed."""
-        reqs, counts = self.sched.requests, plan.num_scheduled_tokens
+        counts, prompt_len = plan.num_scheduled_tokens, self._prompt_len
         decode, prefill, changed = rec["decode"], rec["prefill"], bool(plan.scheduled_new_reqs)
-        swapped_to = {dev for _, dev in plan.swap_in}
-        for d in plan.scheduled_cached_reqs:
+        for d in plan.scheduled_cached_reqs:  # the hot loop: one decode per running request
             rid, n, ctx = d.req_id, counts[d.req_id], d.num_computed_tokens
-            req = reqs.get(rid)
-            if n == 1 and req is not None and ctx >= req.num_prompt_tokens:
+            if d.new_block_ids:
+                changed = True
+                if d.resumed_from_preemption:
+                    self._resumed(plan, d.req_id, d.new_block_ids[0], rec)
+            elif d.resumed_from_preemption:
+                rec["resumed"].append(rid)
+            p = prompt_len.get(rid)
+            if p is None:
+                req = self.sched.requests.get(rid)
+                p = prompt_len[rid] = len(req.prompt_token_ids) if req is not None else 0
+            if n == 1 and ctx >= p:
                 decode.append(rid)
             else:
                 prefill.append([rid, n, ctx])
-            changed = changed or bool(d.new_block_ids)
-            if d.resumed_from_preemption:
-                swapped = bool(d.new_block_ids) and d.new_block_ids[0] in swapped_to
-                (rec["swapped_in"] if swapped else rec["resumed"]).append(rid)
-        for d in plan.scheduled_new_reqs:
-            prefill.append([d.req_id, counts[d.req_id], d.num_computed_tokens])
-            req = reqs.get(d.req_id)
+        for new in plan.scheduled_new_reqs:
+            rid, num_prompt = new.req_id, len(new.prompt_token_ids)
+            prompt_len[rid] = num_prompt
+            prefill.append([rid, counts[rid], new.num_computed_tokens])
+            req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
-            rec["new"].append([d.req_id, arrival, len(d.prompt_token_ids), d.num_computed_tokens])
+            rec["new"].append([rid, arrival, num_prompt, new.num_computed_tokens])
         return changed
+
+    @staticmethod
+    def _resumed(plan: SchedulerOutput, rid: str, first_block: int, rec: Record) -> None:
+        swapped = any(dev == first_block for _, dev in plan.swap_in)
+        (rec["swapped_in"] if swapped else rec["resumed"]).append(rid)
 
     def _counts(self, rec: Record) -> None:
         s, pool = self.sched, self.sched.kv.pool

@@ -165,6 +165,9 @@ class StepRecordHub:
         with contextlib.suppress(ValueError):
             self.subscribers.remove(sub)
         sub.close()
+        if not self.subscribers and self.recorder is not None:
+            self.recorder.reset()
+            self._submitted.clear()
 
     def close(self) -> None:
         """End every subscription (the server is shutting down)."""

@@ -51,7 +51,7 @@ export function drawQueues(canvas, model, [t0, t1]) {
   line(ctx, pts, x, (p) => kvY(p.kvUsed), COLORS.kv, [4, 3]);
   for (const key of ["waiting", "swapped", "running"]) line(ctx, pts, x, (p) => y(p[key]), COLORS[key]);
   ctx.fillStyle = COLORS.preempt;
-  for (const m of model.preemptMarks) if (m.t >= t0) ctx.fillRect(x(m.t) - 1, top, 2, 7);
+  for (const m of model.preemptMarks) if (m.t >= t0) ctx.fillRect(x(m.t) - 1, bottom - 12, 3, 12);
   legend(ctx, [["running", COLORS.running], ["waiting", COLORS.waiting], ["swapped", COLORS.swapped],
                ["KV used", COLORS.kv], ["preemption", COLORS.preempt]], left + 8, top + 10);
 }
@@ -64,6 +64,8 @@ function line(ctx, pts, x, y, color, dash = []) {
 }
 
 function legend(ctx, items, x, y) {
+  const width = items.reduce((a, [label]) => a + ctx.measureText(label).width + 26, 0);
+  ctx.fillStyle = "rgba(255,255,255,0.85)"; ctx.fillRect(x - 4, y - 10, width + 4, 13);
   for (const [label, color] of items) {
     ctx.fillStyle = color; ctx.fillRect(x, y - 7, 10, 7);
     ctx.fillStyle = "#333"; ctx.fillText(label, x + 13, y); x += ctx.measureText(label).width + 26;
