@@ -135,6 +135,7 @@ class StepRecordHub:
         # Any other SchedulerInterface (a test double) gets no live view.
         self.recorder = StepRecorder(scheduler, clock(), map_interval) if isinstance(scheduler, Scheduler) else None
         self.subscribers: list[Subscription] = []
+        self.time_target_ms: float | None = None  # the scheduler's step-time target, once it has one
         self.published = 0
         self._submitted: dict[int, float] = {}
         self._last_output = clock()
@@ -151,8 +152,9 @@ class StepRecordHub:
     def hello(self, **extra: Any) -> Record:
         """The stream's first message: the config, and the state right now."""
         assert self.recorder is not None
-        return {**scheduler_hello(self.recorder.sched, epoch_unix=time.time() - (self.clock() - self.recorder.epoch),
-                                  **extra), "state": self.recorder.state()}
+        epoch_unix = time.time() - (self.clock() - self.recorder.epoch)
+        return {**scheduler_hello(self.recorder.sched, epoch_unix=epoch_unix, **extra),
+                "time_target_ms": self.time_target_ms, "state": self.recorder.state()}
 
     def subscribe(self) -> Subscription:
         sub = Subscription(self, self.buffer_records)

@@ -43,6 +43,21 @@ async def test_a_full_buffer_folds_the_oldest_records_into_a_gap() -> None:
     assert not inspect.iscoroutinefunction(hub.publish) and not inspect.iscoroutinefunction(sub.push)
 
 
+async def test_without_subscribers_no_record_is_built(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, state):
+        hub = state.loaded.engine.step_records
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "ignore_eos": True}
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        assert hub.published == 0 and hub.recorder._pending == {} and hub._submitted == {}
+        sub = hub.subscribe()
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        await asyncio.sleep(0.05)
+        assert hub.published >= 20 and len(sub.buffer) == hub.published
+        assert hub.recorder._prompt_len == {}  # the finished request is forgotten
+        hub.unsubscribe(sub)
+        assert not hub.subscribers
+
+
 async def test_engine_finishes_while_five_subscribers_never_read(make_client: Callable[..., Any]) -> None:
     async with make_client() as (client, state):
         engine = state.loaded.engine
@@ -95,6 +110,7 @@ async def test_stream_sends_hello_then_step_records_without_text(make_client: Ca
         assert hello["type"] == "hello" and hello["model"] == MODEL
         n = hello["num_blocks"]
         assert hello["state"]["kv"] == [0, 0, n] and hello["token_budget"] > 0
+        assert hello["time_target_ms"] is None
         body = {"model": MODEL, "prompt": "zebra giraffe okapi", "max_tokens": 30, "ignore_eos": True}
         job = asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
         events = await _read_events(resp, until=lambda ev: sum(len(full(e)["finished"]) for e in ev) == 4)
