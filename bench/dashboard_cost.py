@@ -7,7 +7,10 @@ A `stepserve serve` subprocess (InstantRunner worker) runs `--streams` streaming
 at all times (each finished one is replaced). Rounds alternate without / with dashboards;
 each round waits `--warmup` s, then reads the server's step-duration histogram
 (`stepserve:step_duration_seconds` sum and count) before and after `--duration` s. The step
-period is sum/count over the window; medians over rounds are compared.
+period is sum/count over the window; medians over rounds are compared. The server process's
+CPU time per step is reported too: on a machine with few cores the viewers' own reading
+(in this process) competes with the server, and CPU per step separates that from the
+server's added work.
 
     python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 5 rounds each
     python bench/dashboard_cost.py --streams 8 --rounds 1 --duration 2 --warmup 1   # toy size
@@ -93,21 +96,32 @@ async def dashboard(session: aiohttp.ClientSession, url: str, stats: dict[str, i
             stats["events"] += chunk.count(b"\n\n")
 
 
-async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, viewers: int) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, viewers: int,
+                  pid: int) -> dict[str, float]:
     stats = {"bytes": 0, "events": 0}
     tasks = [asyncio.create_task(dashboard(session, url, stats)) for _ in range(viewers)]
     await asyncio.sleep(args.warmup)
     s0, c0 = await step_histogram(session, url)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), cpu_seconds(pid)
     await asyncio.sleep(args.duration)
     s1, c1 = await step_histogram(session, url)
-    elapsed = time.monotonic() - t0
+    elapsed, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     steps = c1 - c0
     return {"viewers": viewers, "steps": steps, "step_period_ms": (s1 - s0) / steps * 1e3 if steps else float("nan"),
-            "steps_per_s": steps / elapsed, "viewer_events_per_s": stats["events"] / elapsed / max(viewers, 1),
+            "steps_per_s": steps / elapsed, "server_cpu_ms_per_step": cpu / steps * 1e3 if steps else float("nan"),
+            "viewer_events_per_s": stats["events"] / elapsed / max(viewers, 1),
             "viewer_kb_per_s": stats["bytes"] / 1024 / elapsed / max(viewers, 1)}
 
 
@@ -124,7 +138,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             rounds = []
             for _ in range(args.rounds):
                 for viewers in (0, args.viewers):
-                    rounds.append(await measure(session, url, args, viewers))
+                    rounds.append(await measure(session, url, args, viewers, proc.pid))
             stop.set()
             for task in load:
                 task.cancel()
@@ -137,7 +151,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             proc.kill()
     without = statistics.median(r["step_period_ms"] for r in rounds if r["viewers"] == 0)
     with_ = statistics.median(r["step_period_ms"] for r in rounds if r["viewers"] == args.viewers)
+    cpu = {v: statistics.median(r["server_cpu_ms_per_step"] for r in rounds if r["viewers"] == v)
+           for v in (0, args.viewers)}
     return {"config": vars(args), "rounds": rounds, "step_period_ms_without": without,
+            "server_cpu_ms_per_step_without": cpu[0], "server_cpu_ms_per_step_with": cpu[args.viewers],
             "step_period_ms_with": with_, "difference_pct": (with_ - without) / without * 100, "goal_pct": 2.0}
 
 
