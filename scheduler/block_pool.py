@@ -33,6 +33,7 @@ class BlockPool:
         self.block_keys: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_cached_free = 0  # free blocks that still hold a cached prefix
 
     @property
     def num_free(self) -> int:
@@ -60,6 +61,7 @@ class BlockPool:
             if key is not None:
                 del self.cached[key]
                 self.block_keys[block] = None
+                self.num_cached_free -= 1
             self.ref_counts[block] = 1
             out.append(block)
         return out
@@ -69,6 +71,7 @@ class BlockPool:
         for b in block_ids:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]
+                self.num_cached_free -= self.block_keys[b] is not None
             self.ref_counts[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -83,6 +86,8 @@ class BlockPool:
                 self.free_queue[b] = None
                 if self.block_keys[b] is None:
                     self.free_queue.move_to_end(b, last=False)
+                else:
+                    self.num_cached_free += 1
 
     def cache(self, block: int, key: BlockKey) -> None:
         """Register a full block's content. A block whose content is already cached elsewhere
@@ -100,4 +105,6 @@ class BlockPool:
             assert (rc == 0) == (b in self.free_queue), f"block {b}: ref {rc} but free={b in self.free_queue}"
         for key, b in self.cached.items():
             assert self.block_keys[b] == key, f"cached block {b} has a stale key"
+        cached_free = sum(1 for b in self.free_queue if self.block_keys[b] is not None)
+        assert cached_free == self.num_cached_free, f"{self.num_cached_free} cached free blocks counted, {cached_free} found"
         assert self.num_used + self.num_free == self.num_blocks

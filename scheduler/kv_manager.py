@@ -12,6 +12,8 @@ known; with two plans in flight, a sampled-but-unreceived token is computed but 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from scheduler.block_pool import BlockKey, BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
@@ -19,6 +21,14 @@ from scheduler.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class BlockMap(NamedTuple):
+    """Who holds which device block right now (a copy: reading it changes nothing)."""
+
+    tables: dict[str, list[int]]  # request id -> its block table
+    shared: dict[int, int]  # block -> ref count, for blocks held by more than one request
+    cached_free: list[int]  # free blocks that still hold a cached prefix
 
 
 class KVCacheManager:
@@ -155,6 +165,14 @@ class KVCacheManager:
         self.host_released.clear()
 
     # ---- accounting ---------------------------------------------------------------------
+    def block_map(self) -> BlockMap:
+        """A read-only picture of the device blocks for the live view: O(held + free)."""
+        refs, keys = self.pool.ref_counts, self.pool.block_keys
+        tables = {rid: list(blocks) for rid, blocks in self.blocks.items() if blocks}
+        shared = {b: refs[b] for blocks in tables.values() for b in blocks if refs[b] > 1}
+        cached_free = [b for b in self.pool.free_queue if keys[b] is not None]
+        return BlockMap(tables, shared, cached_free)
+
     @property
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks

@@ -27,7 +27,7 @@ from scheduler.predictor import make_predictor
 from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
-from scheduler.step import StepBuilder
+from scheduler.step import Preemption, StepBuilder
 
 
 class Scheduler:
@@ -52,6 +52,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_recompute_tokens = 0  # computed tokens whose KV recompute preemptions dropped
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
+        self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -101,6 +102,7 @@ class Scheduler:
             self._schedule_swapped(step, now)
             self._schedule_waiting(step, now)
         plan = step.build(self.kv.blocks, self._finished_ids, self._aborted_ids)
+        self.last_preemptions = tuple(step.preemptions)
         self.kv.end_step()
         self._finished_ids, self._aborted_ids = set(), set()
         self._apply(step, now)
@@ -141,7 +143,7 @@ class Scheduler:
                 victim = pick_victim(self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by)
                 if self.running.index(victim) < i:
                     i -= 1
-                self._preempt(victim, step)
+                self._preempt(victim, step, "kv", req.request_id)
                 if victim is req:
                     break
 
@@ -240,10 +242,10 @@ class Scheduler:
         victim = max(candidates, key=lambda r: (eff(r, now), r.arrival_time, r.admit_seq))
         if eff(req, now) > eff(victim, now) - threshold:
             return False
-        self._preempt(victim, step)
+        self._preempt(victim, step, "priority", req.request_id)
         return True
 
-    def _preempt(self, victim: Request, step: StepBuilder) -> None:
+    def _preempt(self, victim: Request, step: StepBuilder, reason: str, by: str) -> None:
         step.unschedule(victim)
         self.running.remove(victim)
         mode = self.config.preemption_mode
@@ -253,13 +255,16 @@ class Scheduler:
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
             self.num_swap_preemptions += 1
+            how = "swap"
         else:
+            how = "recompute"
             self.kv.free(victim)
             self.num_recompute_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             self.waiting.push_front(victim)
         step.preempted.add(victim.request_id)
+        step.preemptions.append(Preemption(victim.request_id, reason, how, by))
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
 

@@ -8,9 +8,20 @@ scheduler applies the recorded counts to the requests once the plan is final.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import Request
+
+
+class Preemption(NamedTuple):
+    """Why a request left the running set in a step (for the live view; the plan itself
+    only lists preempted ids)."""
+
+    victim: str
+    reason: str  # "kv": a running request needed blocks; "priority": a more urgent one waits
+    mode: str  # "recompute" (KV dropped) or "swap" (KV copied to host memory)
+    by: str  # the request that needed the room
 
 
 @dataclass
@@ -23,6 +34,7 @@ class StepBuilder:
     resumed: set[str] = field(default_factory=set)  # block table replaced (after preemption)
     admitted: set[str] = field(default_factory=set)  # entered the running set this step
     preempted: set[str] = field(default_factory=set)
+    preemptions: list[Preemption] = field(default_factory=list)  # in order, with their causes
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from scheduler.fairness import tenant_report
 from service import openai_routes
+from service.dashboard_routes import add_dashboard
 from service.errors import APIError, Handler, error_middleware
 from service.metrics import CONTENT_TYPE
 from service.state import STATE, AppConfig, EngineFactory, ServiceState, Status
@@ -32,6 +33,8 @@ def create_app(config: AppConfig, engine_factory: EngineFactory) -> web.Applicat
     app = web.Application(client_max_size=config.max_body_size, middlewares=[error_middleware, auth_middleware])
     app[STATE] = ServiceState(config)
     app.add_routes(_routes(config))
+    if config.enable_dashboard:
+        add_dashboard(app)
     app.cleanup_ctx.append(_engine_ctx(engine_factory))
     return app
 

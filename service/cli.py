@@ -1,14 +1,15 @@
-"""`stepserve` command line: dispatches to `serve`, `bench` and `simulate`."""
+"""`stepserve` command line: dispatches to `serve`, `bench`, `simulate` and `view`."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: stepserve {serve,bench,simulate} [options]
+USAGE = """usage: stepserve {serve,bench,simulate,view} [options]
 
   serve      start the OpenAI-compatible server (default model: SmolLM2-135M-Instruct)
   bench      Poisson load generator against an OpenAI-compatible server
   simulate   virtual-clock simulator driving the real scheduler
+  view       play a simulator timeline (simulate --timeline-json) in the dashboard
 
 Run `stepserve COMMAND --help` for the options of each command."""
 
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.sim.cli import main as simulate_main
 
         return simulate_main(rest)
+    if command == "view":
+        from service.view import main as view_main
+
+        return view_main(rest)
     print(f"stepserve: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

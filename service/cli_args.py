@@ -37,10 +37,11 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all; default %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set STEPSERVE_API_KEY)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the key on /dashboard (or set STEPSERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=1024, help="answer 429 with Retry-After past this many waiting requests (default %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before aborting them (default %(default)s)")
     g.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_SIZE, help="largest request body in bytes; larger gets 413 (default %(default)s)")
+    g.add_argument("--disable-dashboard", action="store_true", help="no live view: GET /dashboard and its record stream answer 404")
     g.add_argument("--enable-debug-endpoints", action="store_true", help="expose GET /debug/kv (KV block accounting), for tests")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level (default %(default)s)")
 

@@ -28,6 +28,7 @@ from scheduler.sampling import SamplingParams
 from scheduler.stats import SchedulerStats
 from service.detokenizer import Tokenizer
 from service.metrics import ServiceMetrics
+from service.step_records import StepRecordHub
 from service.stream import (
     EngineDeadError,
     EngineOverloadedError,
@@ -75,6 +76,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stats: SchedulerStats = scheduler.stats()
         self._last_output_time = clock()
+        self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
 
     # -- handler side ----------------------------------------------------------------------
 
@@ -247,6 +249,7 @@ class AsyncEngine:
             self.worker.submit(plan)
             stats = self.scheduler.stats()  # its step_* fields describe this plan
             in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
+            self.step_records.on_plan(plan, now)
             for new in plan.scheduled_new_reqs:
                 stream = self._streams.get(new.req_id)
                 if stream is not None and stream.first_scheduled_time is None:
@@ -270,6 +273,7 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.req_id]
             stream.put(out, now)
+        self.step_records.on_output(step.plan, output, outputs, now)
         self._stats = self.scheduler.stats()
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)

@@ -119,6 +119,7 @@ async def serve(args: argparse.Namespace) -> int:
         api_key=a["api_key"] or os.environ.get("STEPSERVE_API_KEY") or None,
         max_body_size=a["max_body_size"],
         enable_debug_endpoints=a["enable_debug_endpoints"],
+        enable_dashboard=not a["disable_dashboard"],
     )
     app = create_app(config, engine_factory(args))
     state = app[STATE]

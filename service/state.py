@@ -36,6 +36,7 @@ class AppConfig:
     api_key: str | None = None
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     enable_debug_endpoints: bool = False
+    enable_dashboard: bool = True  # GET /dashboard and its record stream
     tokenizer_threads: int = 2
 
 

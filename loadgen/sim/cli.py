@@ -23,6 +23,7 @@ from loadgen.sim.calibrate import calibrate_bench
 from loadgen.sim.cost_model import get_hardware
 from loadgen.sim.result import SimResult
 from loadgen.sim.roofline import format_roofline, roofline
+from loadgen.sim.scenarios import add_scenario_arg, parse_with_scenario, scenario_workload
 from loadgen.sim.setup import (
     STRATEGIES,
     add_cost_args,
@@ -34,6 +35,7 @@ from loadgen.sim.setup import (
     run_strategy,
 )
 from loadgen.sim.sweep import PRESETS, format_rows, sweep
+from loadgen.sim.timeline import timeline_run, write_timeline
 
 COMPARE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
@@ -78,14 +80,20 @@ def _record(rec: Any) -> dict[str, Any]:
 
 
 def cmd_run(argv: list[str], compare: bool = False) -> int:
-    args = _run_parser("stepserve simulate").parse_args(argv)
+    parser = _run_parser("stepserve simulate")
+    add_scenario_arg(parser)
+    args = parse_with_scenario(parser, argv)
     if args.timeline:
         require_plots()
     strategies = list(STRATEGIES) if compare or args.strategy == "all" else [args.strategy]
-    workload = build_workload(args)
+    workload = scenario_workload(args) or build_workload(args)
     goodput = goodput_of(args)
-    results = [run_strategy(args, s, workload, timeline=bool(args.timeline)) for s in strategies]
+    results = [run_strategy(args, s, workload, timeline=bool(args.timeline), record_steps=bool(args.timeline_json))
+               for s in strategies]
     summaries = {r.strategy: r.summary(goodput) for r in results}
+    if args.timeline_json:
+        runs = [timeline_run(r.strategy, r.step_hello or {}, r.step_records) for r in results]
+        write_timeline(args.timeline_json, runs, run_config(args))
     if args.timeline:
         from loadgen.sim.plots import plot_timeline
 

@@ -83,6 +83,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the summary as JSON, not tables")
     o.add_argument("--result-json", default=None, help="write config, summary and records here")
     o.add_argument("--timeline", default=None, help="PNG of the run's per-step timeline")
+    o.add_argument("--timeline-json", default=None,
+                   help="every step as a dashboard record (all strategies in one file): play it with `stepserve view FILE`")
     o.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
 
 
@@ -136,15 +138,16 @@ def fixed_batch_config(args: argparse.Namespace) -> FixedBatchConfig:
 
 
 def run_strategy(args: argparse.Namespace, strategy: str, workload: list[WorkloadRequest],
-                 timeline: bool = False) -> SimResult:
-    """One simulated run of `strategy` on `workload` with the flags in `args`."""
+                 timeline: bool = False, record_steps: bool = False) -> SimResult:
+    """One simulated run of `strategy` on `workload` with the flags in `args`; `record_steps`
+    keeps every step as a dashboard record (`--timeline-json`)."""
     cm = cost_model_from_args(args)
     if strategy == "continuous":
         config = scheduler_config_from_args(args, workload, cm)
         limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
-        return Simulator(config, cm, limits, record_timeline=timeline).run(workload)
+        return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding
-    return run(workload, cm, fixed_batch_config(args), record_timeline=timeline)
+    return run(workload, cm, fixed_batch_config(args), record_timeline=timeline, record_steps=record_steps)
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.step_records import Record, StepRecorder, scheduler_hello
 
 SIM_TOKEN_ID = 1  # every simulated output token but a request's EOS
 SIM_EOS_ID = 0  # the last token of a request that stops before its declared max_tokens
@@ -70,7 +71,7 @@ class Simulator:
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
                  record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True,
-                 record_service: bool = False) -> None:
+                 record_service: bool = False, record_steps: bool = False) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
         in step N+2. Off: each plan is made after the previous output (one in flight)."""
@@ -81,6 +82,7 @@ class Simulator:
         self.record_timeline = record_timeline
         self.record_service = record_service  # per-step service per tenant (fairness metrics)
         self.check_integrity = check_integrity
+        self.record_steps = record_steps  # step records for a timeline file (loadgen.sim.timeline)
 
     def run(self, workload: list[WorkloadRequest]) -> SimResult:
         return _Run(self, workload).run()
@@ -105,6 +107,8 @@ class _Run:
         self.now, self.steps, self.idle_steps = 0.0, 0, 0
         self.kv = KVUsage()
         self.timeline: list[TimelinePoint] = []
+        self.recorder = StepRecorder(self.sched) if sim.record_steps else None
+        self.step_records: list[Record] = []
         lim = sim.limits
         self.stall_limit = lim.stall_steps or 2 * sim.config.max_model_len + 1000
 
@@ -133,13 +137,19 @@ class _Run:
         batch.swap_blocks = len(plan.swap_out) + len(plan.swap_in)
         return batch, sampled
 
+    def schedule(self) -> SchedulerOutput:
+        plan = self.sched.schedule(self.now)
+        if self.recorder is not None:
+            self.recorder.on_plan(plan, self.now)
+        return plan
+
     def step(self) -> None:
         if self.sim.overlap:
             if self.queued is None:  # the engine primes two plans at once
-                self.queued = self.sched.schedule(self.now)
-            plan, self.queued = self.queued, self.sched.schedule(self.now)
+                self.queued = self.schedule()
+            plan, self.queued = self.queued, self.schedule()
         else:
-            plan = self.sched.schedule(self.now)
+            plan = self.schedule()
         batch, sampled = self.batch_of(plan)
         seconds = self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
         stats = self.sched.stats()
@@ -155,6 +165,8 @@ class _Run:
         if self.sim.record_service:
             self.service.append(ServicePoint(self.now, dict(self.sched.service.served),
                                              frozenset(r.tenant for r in self.sched.waiting)))
+        if self.recorder is not None and (rec := self.recorder.on_output(plan, outs, self.now, seconds)):
+            self.step_records.append(rec)
         for out in outs:
             if out.new_token_ids:
                 self.known[out.req_id] += len(out.new_token_ids)
@@ -197,9 +209,11 @@ class _Run:
         unfinished.update((w.request_id, "NOT_ARRIVED") for w in self.pending)
         records = [self.tokens.record(rid, unfinished.get(rid)) for rid in self.tokens.requests]
         stats = self.sched.stats()
+        hello = scheduler_hello(self.sched, strategy="continuous", source="simulator") if self.recorder else None
         result = SimResult("continuous", records, self.now, self.steps, stats.num_preemptions,
                            stats.num_swap_preemptions, unfinished, self.kv.mean, self.kv.max,
-                           reason, self.timeline, self.kv.total_time, self.kv.busy_steps)
+                           reason, self.timeline, self.kv.total_time, self.kv.busy_steps,
+                           step_hello=hello, step_records=self.step_records)
         result.num_recompute_tokens = stats.num_recompute_tokens
         result.request_stats = [RequestStat.of(r) for r in self.requests.values()]
         result.service = self.service

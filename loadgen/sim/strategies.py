@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from loadgen.sim.cost_model import BatchShape, CostModel
 from loadgen.sim.result import KVUsage, SimResult, TimelinePoint, TokenClock
+from loadgen.sim.timeline import FixedBatchRecorder
 from loadgen.workloads import WorkloadRequest
 from scheduler.kv_manager import cdiv
 
@@ -47,8 +48,9 @@ class _FixedBatchRun:
     """One run of a fixed-batch strategy over a workload."""
 
     def __init__(self, workload: list[WorkloadRequest], cm: CostModel, cfg: FixedBatchConfig,
-                 streaming: bool, record_timeline: bool) -> None:
+                 streaming: bool, record_timeline: bool, recorder: FixedBatchRecorder | None = None) -> None:
         self.cm, self.cfg, self.streaming, self.record_timeline = cm, cfg, streaming, record_timeline
+        self.recorder = recorder
         cap = cfg.kv_capacity_tokens
         self.rejected = {w.request_id for w in workload if cap is not None and w.prompt_len + w.output_len > cap}
         self.queue = sorted((w for w in workload if w.request_id not in self.rejected),
@@ -81,7 +83,11 @@ class _FixedBatchRun:
             p, o = p2, o2
         return batch
 
-    def step(self, batch: BatchShape, rows: int, padded_len: int, queued_after: int) -> None:
+    def waiting(self, queued_after: int) -> int:
+        """Requests arrived by now that are not in this batch or an earlier one."""
+        return bisect.bisect_right(self.arrivals, self.now) - queued_after
+
+    def step(self, batch: BatchShape, rows: int, padded_len: int, queued_after: int) -> float:
         seconds = self.cm.step_time(batch)
         self.now += seconds
         self.steps += 1
@@ -89,10 +95,10 @@ class _FixedBatchRun:
         usage = rows * padded_len / cap if cap else 0.0
         self.kv.add(usage, seconds)
         if self.record_timeline:
-            waiting = bisect.bisect_right(self.arrivals, self.now) - queued_after
             blocks = rows * cdiv(padded_len, self.cfg.block_size)
-            self.timeline.append(TimelinePoint(self.now, rows, waiting, 0, blocks,
+            self.timeline.append(TimelinePoint(self.now, rows, self.waiting(queued_after), 0, blocks,
                                                batch.num_prefill_tokens, batch.num_decode_tokens))
+        return seconds
 
     def run_batch(self, batch: list[WorkloadRequest], queued_after: int) -> None:
         """Prefill padded to the longest prompt, then decode to the longest output."""
@@ -100,7 +106,9 @@ class _FixedBatchRun:
         for k in range(o):
             shape = BatchShape()
             shape.add(p if k == 0 else 1, 0 if k == 0 else p + k - 1, count=b)
-            self.step(shape, b, p + k + 1, queued_after)
+            seconds = self.step(shape, b, p + k + 1, queued_after)
+            if self.recorder is not None:
+                self.recorder.step(batch, k, seconds, self.now, self.waiting(queued_after), self.streaming)
             if self.streaming:
                 for w in batch:
                     if k < w.output_len:
@@ -122,18 +130,29 @@ class _FixedBatchRun:
             self.run_batch(batch, i)
         unfinished = dict.fromkeys(sorted(self.rejected), "REJECTED")
         records = [self.clock.record(rid, unfinished.get(rid)) for rid in self.clock.requests]
+        rec = self.recorder
         return SimResult(name, records, self.now, self.steps, unfinished=unfinished,
                          mean_kv_cache_usage=self.kv.mean, max_kv_cache_usage=self.kv.max,
-                         timeline=self.timeline, busy_time=self.kv.total_time, num_busy_steps=self.kv.busy_steps)
+                         timeline=self.timeline, busy_time=self.kv.total_time, num_busy_steps=self.kv.busy_steps,
+                         step_hello=rec.hello if rec else None, step_records=rec.records if rec else [])
+
+
+def _recorder(name: str, cfg: FixedBatchConfig, record_steps: bool) -> FixedBatchRecorder | None:
+    if not record_steps:
+        return None
+    num_blocks = cfg.kv_capacity_tokens // cfg.block_size if cfg.kv_capacity_tokens else 0
+    return FixedBatchRecorder(name, num_blocks, cfg.block_size, cfg.batch_size)
 
 
 def simulate_static(workload: list[WorkloadRequest], cm: CostModel, cfg: FixedBatchConfig,
-                    record_timeline: bool = False) -> SimResult:
+                    record_timeline: bool = False, record_steps: bool = False) -> SimResult:
     """Request-level batching: wait for a full batch (or the timeout), answer at its end."""
-    return _FixedBatchRun(workload, cm, cfg, streaming=False, record_timeline=record_timeline).run("static")
+    return _FixedBatchRun(workload, cm, cfg, streaming=False, record_timeline=record_timeline,
+                          recorder=_recorder("static", cfg, record_steps)).run("static")
 
 
 def simulate_padding(workload: list[WorkloadRequest], cm: CostModel, cfg: FixedBatchConfig,
-                     record_timeline: bool = False) -> SimResult:
+                     record_timeline: bool = False, record_steps: bool = False) -> SimResult:
     """Padded batches started when idle, streamed per request, nobody joins mid-flight."""
-    return _FixedBatchRun(workload, cm, cfg, streaming=True, record_timeline=record_timeline).run("padding")
+    return _FixedBatchRun(workload, cm, cfg, streaming=True, record_timeline=record_timeline,
+                          recorder=_recorder("padding", cfg, record_steps)).run("padding")

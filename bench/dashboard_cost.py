@@ -1,0 +1,174 @@
+"""What the live dashboard costs the engine: the engine's step period with and without N
+connected dashboards (real SSE clients reading /dashboard/stream), under a closed loop of
+streaming requests on the instant worker (a model that costs nothing, so every microsecond
+is the server's own). Prints JSON. The goal: <= 2 % difference at 64 streams and 5 viewers.
+
+A `stepserve serve` subprocess (InstantRunner worker) runs `--streams` streaming completions
+at all times (each finished one is replaced). Rounds alternate without / with dashboards;
+each round waits `--warmup` s, then reads the server's step-duration histogram
+(`stepserve:step_duration_seconds` sum and count) before and after `--duration` s. The step
+period is sum/count over the window; medians over rounds are compared. The server process's
+CPU time per step is reported too: on a machine with few cores the viewers' own reading
+(in this process) competes with the server, and CPU per step separates that from the
+server's added work.
+
+    python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 5 rounds each
+    python bench/dashboard_cost.py --streams 8 --rounds 1 --duration 2 --warmup 1   # toy size
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+STEP = "stepserve:step_duration_seconds"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--worker-runner", "worker.instant_runner:InstantRunner", "--kv-cache-memory", "4GiB",
+           "--max-num-seqs", str(streams), "--max-waiting-requests", "100000"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]) -> None:
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.25)
+    raise RuntimeError("server did not become healthy")
+
+
+async def step_histogram(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """(sum, count) of the server's step-duration histogram."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == STEP + "_sum":
+                total = s.value
+            elif s.name == STEP + "_count":
+                count = s.value
+    return total, count
+
+
+async def stream_forever(session: aiohttp.ClientSession, url: str, tokens: int, stop: asyncio.Event) -> None:
+    body = {"model": "instant", "prompt": "Tell me about continuous batching " * 4, "max_tokens": tokens,
+            "ignore_eos": True, "stream": True}
+    while not stop.is_set():
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for _ in resp.content.iter_any():
+                pass
+
+
+async def dashboard(session: aiohttp.ClientSession, url: str, stats: dict[str, int]) -> None:
+    """A viewer: reads the record stream as fast as it comes (and counts it)."""
+    async with session.get(url + "/dashboard/stream") as resp:
+        assert resp.status == 200, await resp.text()
+        async for chunk in resp.content.iter_any():
+            stats["bytes"] += len(chunk)
+            stats["events"] += chunk.count(b"\n\n")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, viewers: int,
+                  pid: int) -> dict[str, float]:
+    stats = {"bytes": 0, "events": 0}
+    tasks = [asyncio.create_task(dashboard(session, url, stats)) for _ in range(viewers)]
+    await asyncio.sleep(args.warmup)
+    s0, c0 = await step_histogram(session, url)
+    t0, cpu0 = time.monotonic(), cpu_seconds(pid)
+    await asyncio.sleep(args.duration)
+    s1, c1 = await step_histogram(session, url)
+    elapsed, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    steps = c1 - c0
+    return {"viewers": viewers, "steps": steps, "step_period_ms": (s1 - s0) / steps * 1e3 if steps else float("nan"),
+            "steps_per_s": steps / elapsed, "server_cpu_ms_per_step": cpu / steps * 1e3 if steps else float("nan"),
+            "viewer_events_per_s": stats["events"] / elapsed / max(viewers, 1),
+            "viewer_kb_per_s": stats["bytes"] / 1024 / elapsed / max(viewers, 1)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(port, args.streams)
+    stop = asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            await wait_healthy(session, url, proc)
+            load = [asyncio.create_task(stream_forever(session, url, args.tokens, stop)) for _ in range(args.streams)]
+            rounds = []
+            for _ in range(args.rounds):
+                for viewers in (0, args.viewers):
+                    rounds.append(await measure(session, url, args, viewers, proc.pid))
+            stop.set()
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    without = statistics.median(r["step_period_ms"] for r in rounds if r["viewers"] == 0)
+    with_ = statistics.median(r["step_period_ms"] for r in rounds if r["viewers"] == args.viewers)
+    cpu = {v: statistics.median(r["server_cpu_ms_per_step"] for r in rounds if r["viewers"] == v)
+           for v in (0, args.viewers)}
+    return {"config": vars(args), "rounds": rounds, "step_period_ms_without": without,
+            "server_cpu_ms_per_step_without": cpu[0], "server_cpu_ms_per_step_with": cpu[args.viewers],
+            "step_period_ms_with": with_, "difference_pct": (with_ - without) / without * 100, "goal_pct": 2.0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=64, help="streaming requests in flight at all times")
+    p.add_argument("--viewers", type=int, default=5, help="dashboards connected in the 'with' rounds")
+    p.add_argument("--tokens", type=int, default=256, help="max_tokens of each request")
+    p.add_argument("--rounds", type=int, default=5, help="pairs of (without, with) rounds")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per round")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds before each round's measurement")
+    args = p.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Step records (`scheduler.step_records`) against the plans they describe: composition,
+preemptions with their causes, queue and KV counts, the block map, emitted tokens."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from record_schema import check_step, full
+from sched_driver import MirrorWorker, make_request
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.step_records import StepRecorder, compact, empty_record
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(sched: Scheduler, worker: MirrorWorker, recorder: StepRecorder, steps: int | None = None,
+         check: Any = None) -> list[dict[str, Any]]:
+    """Plan, execute and apply one plan at a time, recording each; `check(plan, rec)` per step."""
+    records, i = [], 0
+    while sched.needs_plan() and (steps is None or i < steps):
+        plan = sched.schedule(now=float(i))
+        recorder.on_plan(plan, float(i))
+        if check is not None:
+            check(plan, recorder._pending[plan.step_id])
+        outs = sched.update_from_output(plan, worker.execute(plan), now=float(i) + 0.5)
+        rec = recorder.on_output(plan, outs, float(i) + 0.5, 0.5)
+        assert rec is not None
+        records.append(check_step(compact(rec), sched.config.num_gpu_blocks))
+        sched.check_integrity()
+        i += 1
+    return records
+
+
+def _worked_example() -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=8, num_gpu_blocks=6, block_size=16, max_model_len=128)
+    sched = Scheduler(cfg)
+    for rid, (p, o) in {"R1": (16, 32), "R2": (8, 8), "R3": (32, 16), "R4": (8, 64), "R5": (16, 8)}.items():
+        sched.add_request(make_request(rid, p, o))
+    return sched
+
+
+def test_worked_example_records_describe_every_plan() -> None:
+    sched = _worked_example()
+
+    def check(plan: Any, rec: dict[str, Any]) -> None:
+        counts = {rid: 1 for rid in rec["decode"]} | {rid: n for rid, n, _ in rec["prefill"]}
+        assert counts == plan.num_scheduled_tokens
+        assert {p[0] for p in rec["preempted"]} == set(plan.preempted_req_ids)
+        assert [rec["running"], rec["waiting"], rec["swapped"]] == [len(sched.running), len(sched.waiting), 0]
+        assert rec["kv"][0] == 6 - sched.num_free_blocks
+
+    records = _run(sched, MirrorWorker(16, 6), StepRecorder(sched), check=check)
+    assert len(records) == 84
+    assert [r["step"] for r in records] == list(range(84))
+    by_step = {r["step"]: r for r in records}
+    assert by_step[0]["prefill"] == [["R1", 8, 0]] and by_step[0]["new"] == [["R1", 0.0, 16, 0]]
+    assert by_step[1]["first"] == ["R1"] and by_step[2]["decode"] == ["R1"]
+    assert by_step[2]["prefill"] == [["R2", 7, 0]]
+    # step 9: R3 needs a 3rd block, none is free: the newest (R4) is preempted for it
+    assert by_step[9]["preempted"] == [["R4", "kv", "recompute", "R3"]]
+    assert by_step[11]["resumed"] == ["R4"] and by_step[11]["prefill"] == [["R4", 6, 0]]
+    # step 29: R5 needs a block and is itself the newest
+    assert by_step[29]["preempted"] == [["R5", "kv", "recompute", "R5"]]
+    assert sum(len(r["preempted"]) for r in records) == 4 == sched.num_preemptions
+    assert sum(r["tokens"] for r in records) == 32 + 8 + 16 + 64 + 8
+    assert sorted(x for r in records for x in r["first"]) == ["R1", "R2", "R3", "R4", "R5"]
+    assert sorted(tuple(x) for r in records for x in r["finished"]) == [(f"R{i}", "length") for i in range(1, 6)]
+
+
+def test_block_map_is_taken_when_blocks_change_and_matches_the_pool() -> None:
+    sched = _worked_example()
+    seen: list[tuple[bool, bool]] = []
+
+    def check(plan: Any, rec: dict[str, Any]) -> None:
+        changed = bool(plan.scheduled_new_reqs or plan.preempted_req_ids or plan.finished_req_ids
+                       or any(d.new_block_ids for d in plan.scheduled_cached_reqs))
+        seen.append((changed, rec["blocks"] is not None))
+        if rec["blocks"] is not None:
+            assert rec["blocks"]["tables"] == {r: b for r, b in sched.kv.blocks.items() if b}
+
+    records = _run(sched, MirrorWorker(16, 6), StepRecorder(sched, map_interval=0.0), check=check)
+    assert all(taken == changed for changed, taken in seen[1:])  # the first plan always has a map
+    assert records[-1]["blocks"] == {"tables": {}, "shared": [], "cached": []}
+
+
+def test_block_map_rate_limit_keeps_the_change_for_later() -> None:
+    sched = _worked_example()
+    records = _run(sched, MirrorWorker(16, 6), StepRecorder(sched, map_interval=5.0))
+    taken = [r["step"] for r in records if r["blocks"] is not None]
+    assert all(b - a >= 5 for a, b in zip(taken, taken[1:-1], strict=False))  # the last: the final state
+    assert records[-1]["blocks"] is not None
+
+
+def test_prefix_shared_and_cached_blocks() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=20, block_size=4, max_model_len=64,
+                          enable_prefix_caching=True)
+    sched = Scheduler(cfg)
+    prompt = list(range(100, 117))  # 17 tokens: 4 full blocks
+    sched.add_request(make_request("A", 17, 4, prompt=prompt))
+    worker, recorder = MirrorWorker(4, 20), StepRecorder(sched)
+    records = _run(sched, worker, recorder, steps=2)
+    sched.add_request(make_request("B", 17, 4, prompt=prompt))
+    records += _run(sched, worker, recorder, steps=1)
+    b_new = records[-1]["new"]
+    assert b_new == [["B", 0.0, 17, 16]]  # 4 blocks found in the prefix cache
+    shared = dict(map(tuple, records[-1]["blocks"]["shared"]))
+    assert len(shared) == 4 and set(shared.values()) == {2}
+    records += _run(sched, worker, recorder)
+    used, cached, free = records[-1]["kv"]
+    assert used == 0 and cached >= 4 and cached == len(records[-1]["blocks"]["cached"])
+
+
+def test_priority_preemption_names_its_cause() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=40, block_size=4, max_model_len=64,
+                          max_num_seqs=1, policy="priority", priority_preemption_threshold=1)
+    sched = Scheduler(cfg)
+    sched.add_request(make_request("low", 8, 20, priority=5))
+    worker, recorder = MirrorWorker(4, 40), StepRecorder(sched)
+    _run(sched, worker, recorder, steps=2)
+    sched.add_request(make_request("urgent", 8, 4, priority=0))
+    rec = _run(sched, worker, recorder, steps=1)[0]
+    assert rec["preempted"] == [["low", "priority", "recompute", "urgent"]]
+    assert [n[0] for n in rec["new"]] == ["urgent"]
+
+
+def test_swap_preemption_and_swap_in() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=6, num_cpu_blocks=12, block_size=4,
+                          max_model_len=24, preemption_mode="swap")
+    sched = Scheduler(cfg)
+    for rid in ("A", "B"):
+        sched.add_request(make_request(rid, 8, 12))
+    records = _run(sched, MirrorWorker(4, 6), StepRecorder(sched))
+    swaps = [p for r in records for p in r["preempted"]]
+    assert swaps and all(p[1:3] == ["kv", "swap"] for p in swaps)
+    out = next(r for r in records if r["preempted"])
+    assert out["swap_out"] > 0 and out["swapped"] == 1
+    back = next(r for r in records if r["swapped_in"])
+    assert back["swap_in"] > 0 and back["swapped_in"][0] == swaps[0][0]
+
+
+def test_compact_leaves_out_only_empty_values() -> None:
+    rec = empty_record(7) | {"t": 1.5, "decode": ["a"], "kv": [1, 0, 3]}
+    small = compact(rec)
+    assert set(small) == {"type", "step", "t", "decode", "kv"}
+    assert full(small) == rec
+
+
+def test_the_page_knows_every_record_key() -> None:
+    """The dashboard fills left-out keys from its own copy of the empty record."""
+    js = (REPO / "service/dashboard/model.js").read_text()
+    body = re.search(r"EMPTY_STEP = \{(.*?)\};", js, re.S)
+    assert body is not None
+    keys = set(re.findall(r"(\w+):", body.group(1)))
+    assert keys == set(empty_record(0))

@@ -1,0 +1,204 @@
+"""The live step-record stream: bounded per-subscriber buffers that fold dropped steps into
+gaps, an engine that finishes everything while subscribers never read, the SSE endpoint's
+content, and its access rules (API key, login cookie, --disable-dashboard)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+from record_schema import check_step, full
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.step_records import empty_record
+from service.dashboard_routes import COOKIE, cookie_token
+from service.state import AppConfig
+from service.step_records import StepRecordHub
+
+pytestmark = pytest.mark.asyncio
+MODEL = "instant"
+
+
+def _record(step: int, **fields: Any) -> dict[str, Any]:
+    return empty_record(step) | {"t": float(step), "kv": [0, 0, 4]} | fields
+
+
+async def test_a_full_buffer_folds_the_oldest_records_into_a_gap() -> None:
+    hub = StepRecordHub(Scheduler(SchedulerConfig(num_gpu_blocks=4)), buffer_records=3)
+    sub = hub.subscribe()
+    for i in range(10):
+        hub.publish(_record(i, tokens=2, first=[f"r{i}"] if i < 2 else [], finished=[[f"r{i}", "length"]]))
+    assert len(sub.buffer) == 3 and sub.dropped == 7
+    events = [orjson.loads(e[len(b"data: "):]) for e in sub.take()]
+    gap, *steps = events
+    assert gap["type"] == "gap" and (gap["from_step"], gap["to_step"], gap["steps"]) == (0, 6, 7)
+    assert gap["tokens"] == 14 and gap["first"] == ["r0", "r1"]
+    assert [f[0] for f in gap["finished"]] == [f"r{i}" for i in range(7)]  # lifecycle survives
+    assert [s["step"] for s in steps] == [7, 8, 9]
+    assert not inspect.iscoroutinefunction(hub.publish) and not inspect.iscoroutinefunction(sub.push)
+
+
+async def test_without_subscribers_no_record_is_built(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, state):
+        hub = state.loaded.engine.step_records
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "ignore_eos": True}
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        assert hub.published == 0 and hub.recorder._pending == {} and hub._submitted == {}
+        sub = hub.subscribe()
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        await asyncio.sleep(0.05)
+        assert hub.published >= 20 and len(sub.buffer) == hub.published
+        assert hub.recorder._prompt_len == {}  # the finished request is forgotten
+        hub.unsubscribe(sub)
+        assert not hub.subscribers
+
+
+async def test_engine_finishes_while_five_subscribers_never_read(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, state):
+        engine = state.loaded.engine
+        hub = engine.step_records
+        hub.buffer_records = 16
+        subs = [hub.subscribe() for _ in range(5)]
+        plans = 0
+        submit = engine.worker.submit
+
+        def counting_submit(plan: Any) -> None:
+            nonlocal plans
+            plans += 1
+            submit(plan)
+
+        engine.worker.submit = counting_submit
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 40, "ignore_eos": True}
+        resps = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24)))
+        assert [r.status for r in resps] == [200] * 24
+        await asyncio.sleep(0.05)  # the last plan's output
+        assert plans > 40 and hub.published == plans
+        for sub in subs:  # every record reached every buffer; the oldest were folded, none lost
+            assert len(sub.buffer) == 16 and sub.dropped == plans - 16
+            events = [full(orjson.loads(e[len(b"data: "):])) for e in sub.take()]
+            finished = [f[0] for e in events for f in e["finished"]]
+            assert len(finished) == 24 == len(set(finished))
+            assert sum(e["tokens"] for e in events) == 24 * 40
+        for sub in subs:
+            hub.unsubscribe(sub)
+
+
+async def _read_events(resp: Any, count: int = 0, until: Callable[[list[Any]], bool] | None = None) -> list[Any]:
+    """Events from an SSE response until `count` arrived or `until(events)` holds."""
+    events: list[dict[str, Any]] = []
+    buf = b""
+    async with asyncio.timeout(60):
+        while not (until(events) if until else len(events) >= count):
+            chunk = await resp.content.readany()
+            assert chunk, "stream ended early"
+            buf += chunk
+            *blocks, buf = buf.split(b"\n\n")
+            events += [orjson.loads(b[len(b"data: "):]) for b in blocks if b.startswith(b"data: ")]
+    return events
+
+
+async def test_stream_sends_hello_then_step_records_without_text(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, state):
+        resp = await client.get("/dashboard/stream")
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        (hello,) = await _read_events(resp, 1)
+        assert hello["type"] == "hello" and hello["model"] == MODEL
+        n = hello["num_blocks"]
+        assert hello["state"]["kv"] == [0, 0, n] and hello["token_budget"] > 0
+        assert hello["time_target_ms"] is None
+        body = {"model": MODEL, "prompt": "zebra giraffe okapi", "max_tokens": 30, "ignore_eos": True}
+        job = asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4)))
+        events = await _read_events(resp, until=lambda ev: sum(len(full(e)["finished"]) for e in ev) == 4)
+        assert [r.status for r in await job] == [200] * 4
+        steps = [check_step(e, n) for e in events if e["type"] == "step"]
+        assert len(steps) >= 20
+        assert {r[0] for s in steps for r in s["new"]} and any(s["decode"] for s in steps)
+        assert all("zebra" not in orjson.dumps(e).decode() for e in events)
+        resp.close()
+
+
+async def test_stalled_sse_readers_never_stop_the_engine(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, state):
+        hub = state.loaded.engine.step_records
+        hub.buffer_records = 4
+        port = client.server.port
+        readers = []
+        for _ in range(5):  # real connections that read nothing, not even the headers
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /dashboard/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            readers.append(sock)
+        for _ in range(100):
+            if len(hub.subscribers) == 5:
+                break
+            await asyncio.sleep(0.02)
+        assert len(hub.subscribers) == 5
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        resps = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(16)))
+        texts = await asyncio.gather(*(r.text() for r in resps))
+        assert all(t.rstrip().endswith("data: [DONE]") for t in texts)
+        assert hub.published > 200 and all(s.dropped > 0 for s in hub.subscribers)
+        for sock in readers:
+            sock.close()
+
+
+@pytest.fixture
+def keyed() -> AppConfig:
+    return AppConfig(api_key="s3cret", enable_debug_endpoints=True)
+
+
+async def test_without_the_key_every_dashboard_route_is_401(make_client: Callable[..., Any], keyed: AppConfig) -> None:
+    async with make_client(config=keyed) as (client, _):
+        page = await client.get("/dashboard")
+        assert page.status == 401 and 'name="key"' in await page.text()
+        for path in ("/dashboard/stream", "/dashboard/static/main.js"):
+            resp = await client.get(path)
+            assert resp.status == 401, path
+            assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        wrong = await client.get("/dashboard/stream", headers={"Authorization": "Bearer nope"})
+        assert wrong.status == 401
+        bad_cookie = await client.get("/dashboard/stream", cookies={COOKIE: cookie_token("other")})
+        assert bad_cookie.status == 401
+        bad_login = await client.post("/dashboard/login", data={"key": "nope"}, allow_redirects=False)
+        assert bad_login.status == 401 and "not right" in await bad_login.text()
+
+
+async def test_login_cookie_or_bearer_opens_the_dashboard(make_client: Callable[..., Any], keyed: AppConfig) -> None:
+    async with make_client(config=keyed) as (client, _):
+        bearer = await client.get("/dashboard/stream", headers={"Authorization": "Bearer s3cret"})
+        assert bearer.status == 200 and (await _read_events(bearer, 1))[0]["type"] == "hello"
+        bearer.close()
+        login = await client.post("/dashboard/login", data={"key": "s3cret"}, allow_redirects=False)
+        assert login.status == 303 and login.headers["Location"] == "/dashboard"
+        cookie = login.cookies[COOKIE]
+        assert cookie.value == cookie_token("s3cret") and "s3cret" not in cookie.value
+        assert cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == "/dashboard"
+        jar = {COOKIE: cookie.value}
+        page = await client.get("/dashboard", cookies=jar)
+        assert page.status == 200 and "main.js" in await page.text()
+        assert (await client.get("/dashboard/static/main.js", cookies=jar)).status == 200
+        stream = await client.get("/dashboard/stream", cookies=jar)
+        assert stream.status == 200
+        stream.close()
+
+
+async def test_static_files_are_only_the_packaged_ones(make_client: Callable[..., Any]) -> None:
+    async with make_client() as (client, _):
+        ok = await client.get("/dashboard/static/dashboard.css")
+        assert ok.status == 200 and ok.headers["Content-Type"].startswith("text/css")
+        assert (await client.get("/dashboard/static/nothing.js")).status == 404
+        assert (await client.get("/dashboard/static/..%2Fapp.py")).status == 404
+
+
+async def test_disable_dashboard_removes_every_route(make_client: Callable[..., Any]) -> None:
+    async with make_client(config=AppConfig(enable_dashboard=False)) as (client, state):
+        for path in ("/dashboard", "/dashboard/stream", "/dashboard/static/main.js"):
+            assert (await client.get(path)).status == 404, path
+        assert (await client.post("/dashboard/login", data={"key": "x"})).status == 404
+        assert not state.loaded.engine.step_records.subscribers
