@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+_BACKWARD_SCAN = 16  # ids a fall-back from DecodeStream looks back for a clean restart
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -133,8 +134,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _covering_prefix(self, num_chars: int, hi: int) -> int:
-        """The fewest leading ids (at most `hi`) whose decode is `num_chars` long or more
-        (a binary search: decode length grows with the ids)."""
+        """Where the window restarts: the most leading ids (at most `hi`) that decode to
+        exactly the text emitted so far. DecodeStream emits text for a prefix of the ids and
+        holds back only its last few, so a short backward scan finds it; failing that, the
+        fewest ids whose decode is at least that long (a binary search)."""
+        emitted = self.text
+        for end in range(hi, max(hi - _BACKWARD_SCAN, -1), -1):
+            if decode(self._tokenizer, self._ids[:end]) == emitted:
+                return end
         lo = 0
         while lo < hi:
             mid = (lo + hi) // 2

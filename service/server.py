@@ -72,6 +72,8 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerCon
         long_prefill_token_threshold=a["long_prefill_token_threshold"],
         preemption_mode=a["preemption_mode"],
         enable_prefix_caching=a["enable_prefix_caching"],
+        aging_period=a["aging_period"],
+        priority_preemption_threshold=a["priority_preemption_threshold"],
         kv_bytes_per_token=info.kv_bytes_per_token,
     )
     return config
@@ -116,6 +118,7 @@ async def serve(args: argparse.Namespace) -> int:
         api_key=a["api_key"] or os.environ.get("STEPSERVE_API_KEY") or None,
         max_body_size=a["max_body_size"],
         enable_debug_endpoints=a["enable_debug_endpoints"],
+        stream_stall_timeout=a["stream_stall_timeout"],
     )
     app = create_app(config, engine_factory(args))
     state = app[STATE]
@@ -186,5 +189,7 @@ def _static_scheduler_checks(args: argparse.Namespace) -> dict[str, object]:
         "enable_chunked_prefill": a["enable_chunked_prefill"],
         "long_prefill_token_threshold": a["long_prefill_token_threshold"],
         "preemption_mode": a["preemption_mode"],
+        "aging_period": a["aging_period"],
+        "priority_preemption_threshold": a["priority_preemption_threshold"],
     }
 

@@ -33,3 +33,28 @@ def test_token_budget_defaults_follow_chunked_prefill(capsys: pytest.CaptureFixt
     assert scheduler_config(explicit, _info(512)).max_num_batched_tokens == 1024
     assert serve_main(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-model-len", "4096"]) == 2
     assert "must be >= max_model_len" in capsys.readouterr().err
+
+
+def test_aging_and_priority_preemption_flags_reach_the_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    default = scheduler_config(parser.parse_args([]), _info(8192))
+    assert (default.aging_period, default.priority_preemption_threshold) == (10.0, None)
+    args = parser.parse_args(["--scheduling-policy", "priority", "--aging-period", "2.5",
+                              "--priority-preemption-threshold", "3"])
+    config = scheduler_config(args, _info(8192))
+    assert (config.policy, config.aging_period, config.priority_preemption_threshold) == ("priority", 2.5, 3)
+    # a threshold without the priority policy is refused before the model loads
+    assert serve_main(["--priority-preemption-threshold", "3"]) == 2
+    assert "needs policy='priority'" in capsys.readouterr().err
+    for bad in (["--aging-period", "0"], ["--stream-stall-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    assert "must be > 0" in capsys.readouterr().err
+
+
+def test_help_explains_the_new_flags() -> None:
+    text = build_parser().format_help()
+    for flag, words in (("--aging-period", "priority level"), ("--priority-preemption-threshold", "preempts"),
+                        ("--stream-stall-timeout", "read")):
+        assert flag in text
+        assert words in " ".join(text.rsplit(flag, 1)[1].split()[:40])  # its help, not the usage line
