@@ -243,21 +243,17 @@ async def _write_events(
     prompt_tokens: int,
 ) -> None:
     """Every content event, then the usage event (or an error event: headers are out)."""
-    include_usage, want_logprobs = req.include_usage, req.num_logprobs() is not None
-    num_output, cached = [0] * len(streams), 0
-    offsets = [0] * len(streams)
+    events = _EventBuilder(token_text, req, meta, indices)
     if meta.chat:
         for index in indices:
-            await writer.write(event(R.chunk(meta, R.chat_role_choice(index), None, include_usage)))
+            await writer.write(events.encoder.choice_event(R.chat_role_choice(index)))
     try:
-        async for pos, delta in merge(streams):
-            num_output[pos] = delta.num_output_tokens
-            if delta.finished and indices[pos] % req.n == 0:  # a prompt counts once, as in prompt_tokens
-                cached += delta.num_cached_tokens
-            logprobs = _delta_logprobs(token_text, meta, delta, offsets[pos]) if want_logprobs else None
-            offsets[pos] += len(delta.text)
-            choice = R.stream_choice(meta, indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
-            await writer.write(event(R.chunk(meta, choice, None, include_usage)))
+        if len(streams) == 1:  # most requests: read the stream itself, no merging layer
+            async for delta in streams[0]:
+                await writer.write(events.content(0, delta))
+        else:
+            async for pos, delta in merge(streams):
+                await writer.write(events.content(pos, delta))
     except EngineError as exc:
         err = _generation_error(exc)
         await writer.write(event(error_body(err.status, err.message)))
@@ -267,8 +263,31 @@ async def _write_events(
         log.exception("stream %s failed", meta.id)
         await writer.write(event(error_body(500, "internal server error; see the server log")))
     else:
-        if include_usage:
-            await writer.write(event(R.chunk(meta, None, R.usage(prompt_tokens, sum(num_output), cached), True)))
+        if req.include_usage:
+            usage = R.usage(prompt_tokens, sum(events.num_output), events.cached)
+            await writer.write(event(R.chunk(meta, None, usage, True)))
+
+
+class _EventBuilder:
+    """One streamed response's content events, and the usage they add up to."""
+
+    def __init__(self, token_text: R.TokenText, req: CompletionRequest | ChatCompletionRequest,
+                 meta: R.ResponseMeta, indices: list[int]) -> None:
+        self.token_text, self.meta, self.indices, self.n = token_text, meta, indices, req.n
+        self.want_logprobs = req.num_logprobs() is not None
+        self.encoder = R.ChunkEncoder(meta, req.include_usage)
+        self.num_output = [0] * len(indices)
+        self.offsets = [0] * len(indices)
+        self.cached = 0
+
+    def content(self, pos: int, delta: StreamDelta) -> bytes:
+        self.num_output[pos] = delta.num_output_tokens
+        if delta.finished and self.indices[pos] % self.n == 0:  # a prompt counts once, as in prompt_tokens
+            self.cached += delta.num_cached_tokens
+        logprobs = _delta_logprobs(self.token_text, self.meta, delta, self.offsets[pos]) if self.want_logprobs else None
+        self.offsets[pos] += len(delta.text)
+        choice = R.stream_choice(self.meta, self.indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
+        return self.encoder.choice_event(choice)
 
 
 def _delta_logprobs(token_text: R.TokenText, meta: R.ResponseMeta, delta: StreamDelta, offset: int) -> dict[str, Any]:

@@ -94,12 +94,21 @@ class OutputProcessor:
         """Route one step's outputs; return the ids the scheduler must finish now."""
         to_finish: list[str] = []
         reqs = self._reqs
+        generated = 0
+        ttfts: list[tuple[int, float]] = []  # (prompt tokens, TTFT) of first tokens
+        itls: list[float] = []
         for out in outputs:
             state = reqs.get(out.req_id)
             if state is None:
                 continue  # aborted (or stopped) while this output was in flight: dropped
             if out.new_token_ids:
-                self._observe_tokens(state, len(out.new_token_ids), now)
+                generated += len(out.new_token_ids)
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                    ttfts.append((state.stream.num_prompt_tokens, now - state.arrival_time))
+                else:
+                    itls.append(now - state.last_token_time)
+                state.last_token_time = now
             reason = self._route(state, out)
             if reason is None:
                 continue
@@ -107,6 +116,8 @@ class OutputProcessor:
             self._record_finish(state, reason, now)
             if not out.finished:  # a stop string or an overflow: the scheduler does not know
                 to_finish.append(out.req_id)
+        if generated and self.metrics is not None:
+            self.metrics.observe_step_tokens(generated, ttfts, itls)
         return to_finish
 
     def _route(self, state: _RequestState, out: RequestOutput) -> str | None:
@@ -162,16 +173,6 @@ class OutputProcessor:
         self._reqs.clear()
 
     # -- metrics ------------------------------------------------------------------------
-
-    def _observe_tokens(self, state: _RequestState, num_new: int, now: float) -> None:
-        first = state.first_token_time is None
-        if self.metrics is not None:
-            latency = now - (state.arrival_time if first else state.last_token_time)
-            self.metrics.observe_tokens(num_new, first=first, num_prompt=state.stream.num_prompt_tokens,
-                                        latency=latency)
-        if first:
-            state.first_token_time = now
-        state.last_token_time = now
 
     def _record_finish(self, state: _RequestState, reason: str, now: float) -> None:
         if self.metrics is None:

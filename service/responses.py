@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from scheduler.output import TokenLogprobs
 
 TokenText = Callable[[int], str]  # a token id's own text (`service.detokenizer.TokenTexts`)
@@ -127,6 +129,21 @@ def chunk(meta: ResponseMeta, choice: dict[str, Any] | None, usage_body: dict[st
     if include_usage:
         body["usage"] = usage_body
     return body
+
+
+class ChunkEncoder:
+    """Stream chunks as SSE events, byte for byte what ``event(chunk(...))`` gives: the parts
+    every chunk of a response repeats are serialized once, only the choice per event."""
+
+    __slots__ = ("_prefix", "_suffix")
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool) -> None:
+        head = orjson.dumps({"id": meta.id, "object": meta.chunk_object, "created": meta.created, "model": meta.model})
+        self._prefix = b"data: " + head[:-1] + b',"choices":['
+        self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+
+    def choice_event(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + orjson.dumps(choice) + self._suffix
 
 
 def chat_role_choice(index: int) -> dict[str, Any]:

@@ -55,9 +55,10 @@ class ReaderTooSlowError(EngineError):
     """The client fell so far behind that its buffer filled; the request was aborted."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamDelta:
-    """What a request produced since the last delta its consumer saw."""
+    """What a request produced since the last delta its consumer saw (one per event, so
+    slotted and not frozen: frozen ones are ~2x slower to build)."""
 
     request_id: str
     text: str
