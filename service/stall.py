@@ -44,8 +44,10 @@ class GuardedWriter:
 
     async def write(self, data: bytes) -> None:
         self.since = time.monotonic()
-        await self.response.write(data)
-        self.since = None
+        try:
+            await self.response.write(data)
+        finally:
+            self.since = None
 
     def abort(self) -> None:
         """Close the request streams (aborting them) and drop the connection."""

@@ -1,6 +1,8 @@
-"""The token metrics the output processor feeds once per step: a histogram filled in one
-pass equals one filled a value at a time, and each request adds one TTFT, n-1 ITLs and n
-generated tokens."""
+"""`OutputProcessor` with a character tokenizer: a stop string ends the request at the token
+that completes it (the id comes back for the scheduler, and a token sampled after it is
+dropped), text held back for a possible stop is released at the end; and the token metrics
+it feeds once per step (one histogram pass equals observing one value at a time; each
+request adds one TTFT, n-1 ITLs and n generated tokens)."""
 
 from __future__ import annotations
 
@@ -62,3 +64,32 @@ def test_each_request_adds_one_ttft_and_n_minus_1_itls() -> None:
     assert _value(metrics, "stepserve:inter_token_latency_seconds_count") == 4 + 2
     assert _value(metrics, "stepserve:prompt_tokens_total") == 6
     assert len(processor) == 0
+
+
+def _out(rid: str, char: str, n: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(rid, (ord(char),), finished, "length" if finished else None, num_output_tokens=n)
+
+
+async def test_stop_string_ends_the_request_at_its_token_and_drops_later_ones() -> None:
+    processor = OutputProcessor(_Tokenizer())
+    stream = RequestStream("s", 1, lambda _: None)
+    processor.add_request(stream, ("END",), False, arrival_time=0.0)
+    finished: list[list[str]] = []
+    for i, char in enumerate("abcENDxy"):
+        if char == "x":  # the overlap token: sampled by the plan already in flight
+            assert "s" not in processor
+        finished.append(processor.process([_out("s", char, i + 1)], now=float(i)))
+    assert finished[5] == ["s"] and sum(finished, []) == ["s"]
+    (delta,) = [d async for d in stream]
+    assert (delta.text, delta.finish_reason, delta.stop_reason, delta.num_output_tokens) == ("abc", "stop", "END", 6)
+    assert delta.token_ids == tuple(map(ord, "abcEND"))
+
+
+async def test_text_held_for_a_possible_stop_is_released_when_the_request_ends() -> None:
+    processor = OutputProcessor(_Tokenizer())
+    stream = RequestStream("h", 1, lambda _: None)
+    processor.add_request(stream, ("ENDING",), True, arrival_time=0.0)
+    outs = [_out("h", c, i + 1, finished=(i == 4)) for i, c in enumerate("abEND")]
+    assert all(processor.process([o], now=1.0) == [] for o in outs)
+    (delta,) = [d async for d in stream]
+    assert (delta.text, delta.finish_reason) == ("abEND", "length")
