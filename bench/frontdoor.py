@@ -60,9 +60,9 @@ class Server:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -> Server:
@@ -204,18 +204,15 @@ async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, float]
 
 def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 async def _peak_rss(pid: int, done: asyncio.Event) -> float:
-    peak = 0.0
+    peak = _rss_mib(pid)
     while not done.is_set():
-        peak = max(peak, _rss_mib(pid))
         await asyncio.sleep(0.05)
-    return max(peak, _rss_mib(pid))
+        peak = max(peak, _rss_mib(pid))
+    return peak
 
 
 async def run_scenario(server: Server, kind: str, args: argparse.Namespace, bytes_per_s: float | None) -> dict[str, object]:
