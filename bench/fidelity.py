@@ -9,6 +9,10 @@ One run does everything, side by side:
      scheduler flags and KV block count) on the calibrated profile.
 Prints JSON with both summaries' throughput, TTFT, TPOT and latency, the number of steps
 and the mean step time (the server's from its /metrics step histogram), and their ratios.
+Per run it also reports what the engine adds to the worker's execute time per step
+(`engine_overhead_ms`, step minus execute) and `execute_fits_in_step`: whether the worker's
+own time is within the server's step time (5% slack for the two clocks); false means the
+step or execute timing is wrong, so read the ratios of that run with suspicion.
 """
 
 from __future__ import annotations
@@ -126,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows.values():
             m, sim = row["measured"], row["simulated"]
             row["ratio_sim_over_measured"] = (sim / m) if m and sim is not None else None
-        runs.append({"request_rate": rate, "results": rows})
+        step, execute = measured[rate]["mean_step_ms"], measured[rate]["mean_execute_ms"]
+        runs.append({"request_rate": rate, "results": rows, "engine_overhead_ms": step - execute,
+                     "execute_fits_in_step": execute <= step * 1.05})
     print(json.dumps({"benchmark": "fidelity", "workload": _workload(args, None), "scheduler": sched,
                       "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
                       "runs": runs}, indent=2))

@@ -204,8 +204,9 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
 
 
 def build_runner(args: argparse.Namespace) -> ModelRunner:
-    config = WorkerConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          kv_cache_memory=args.kv_cache_gib << 30, num_threads=args.threads)
+    config = WorkerConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_gib << 30,
+                          num_threads=args.threads, enforce_eager=args.enforce_eager)
     if args.model_shape is None:
         return ModelRunner(config)
     if not args.random_weights:
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None)
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"])
+    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])

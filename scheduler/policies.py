@@ -1,6 +1,7 @@
-"""Pure decisions the scheduler makes per request: which running request gives way, whether
+"""Decisions the scheduler makes per request: which running request gives way, whether
 swapping it beats recomputing it, whether a new token stops a request, and what the engine
-is told about it. No state of their own; `Scheduler` applies the results."""
+is told about it. They keep no state of their own and `Scheduler` applies their results;
+the one side effect is `stop_status` recording the stop token on the request it stops."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def swap_is_cheaper(config: SchedulerConfig, num_tokens: int) -> bool:
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """The finished state `token` (just appended) puts the request in, or None."""
+    """The finished state `token` (just appended) puts the request in, or None. Sets
+    `req.stop_token_id` when a stop token id (not EOS) ends it."""
     sp = req.sampling_params
     is_stop_id = token in sp.stop_token_ids
     stops = is_stop_id or (not sp.ignore_eos and token in req.eos_token_ids)

@@ -36,6 +36,7 @@ def create_app(config: AppConfig, engine_factory: EngineFactory) -> web.Applicat
     if config.enable_dashboard:
         add_dashboard(app)
     app.cleanup_ctx.append(_engine_ctx(engine_factory))
+    app.cleanup_ctx.append(_stall_watch_ctx)
     return app
 
 
@@ -82,6 +83,14 @@ def _engine_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIter
         state.executor.shutdown(wait=False, cancel_futures=True)
 
     return ctx
+
+
+async def _stall_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[STATE].stall_watch.run(), name="stepserve-stall-watch")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _start_engine(state: ServiceState, factory: EngineFactory) -> None:

@@ -33,6 +33,16 @@ def _size_arg(value: str) -> str:
     return value
 
 
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    return number
+
+
 def _add_server(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all; default %(default)s)")
@@ -40,6 +50,9 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and the key on /dashboard (or set STEPSERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=1024, help="answer 429 with Retry-After past this many waiting requests (default %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests before aborting them (default %(default)s)")
+    g.add_argument("--stream-stall-timeout", type=_positive_float, default=60.0,
+                   help="abort a streaming request whose client has read nothing for this many seconds while its "
+                        "socket stays open (the server's write buffer stays full), freeing its KV (default %(default)s)")
     g.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_SIZE, help="largest request body in bytes; larger gets 413 (default %(default)s)")
     g.add_argument("--disable-dashboard", action="store_true", help="no live view: GET /dashboard and its record stream answer 404")
     g.add_argument("--enable-debug-endpoints", action="store_true", help="expose GET /debug/kv (KV block accounting), for tests")
@@ -87,6 +100,12 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap one prompt's chunk at this many tokens (0: only the budget caps it)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"], help="what preemption does with the victim's KV (swap and auto need --swap-space)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES), help="waiting-queue order: fcfs; priority (each request's priority field); sjf (shortest predicted work first, aged); fair (Virtual Token Counter per `user`)")
+    g.add_argument("--aging-period", type=_positive_float, default=10.0,
+                   help="with --scheduling-policy priority: seconds of waiting that raise a request by one priority "
+                        "level, so low-priority requests are not starved (default %(default)s)")
+    g.add_argument("--priority-preemption-threshold", type=int, default=None,
+                   help="with --scheduling-policy priority: a waiting request preempts the least urgent running one "
+                        "when it is at least this many levels more urgent (default: never preempt for priority)")
     _add_policy_flags(g)
 
 

@@ -6,22 +6,33 @@ until its last byte arrives, so text is only released once the decode of a small
 of recent tokens ends cleanly. `finish()` reconciles with a decode of the whole output,
 so the concatenated deltas always equal ``decode(all_ids)``.
 
-`StopStringMatcher` trims stop strings from the text. A stop string may span tokens, so
-text that could be the start of one is held back until it is known not to be.
-
-::
+For a Hugging Face fast tokenizer the window lives in Rust (`tokenizers.decoders.DecodeStream`,
+as vLLM v1's fast detokenizer does): one call per token instead of two decodes. It is also
+cheaper per token than one batched decode of every stream's windows, so the engine does not
+batch. Other tokenizers (and a stream the Rust state gives up on) use the same window
+algorithm in Python::
 
     ids:    [ ... emitted ... | prefix window | new ids ]
                               ^prefix_offset  ^read_offset
     delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+`StopStringMatcher` trims stop strings from the text. A stop string may span tokens, so
+text that could be the start of one is held back until it is known not to be. Its work
+per delta is bounded by the stop strings' lengths, never by the length of the output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+_BACKWARD_SCAN = 16  # ids a fall-back from DecodeStream looks back for a clean restart
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the Python window only
+    DecodeStream = None
 
 
 class Tokenizer(Protocol):
@@ -47,11 +58,34 @@ def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: 
     return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-class IncrementalDetokenizer:
-    """Text deltas for a growing list of output token ids."""
+class TokenTexts:
+    """Each token id's own text (special tokens kept), as logprobs show it; cached, so a
+    token is decoded once per server, and the cache never outgrows the vocabulary."""
+
+    __slots__ = ("_tokenizer", "_cache")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = decode(self._tokenizer, (token_id,), skip_special_tokens=False)
+        return text
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of output token ids."""
+
+    __slots__ = ("_tokenizer", "_backend", "_stream", "_ids", "_prefix_offset", "_read_offset", "_emitted")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -68,9 +102,56 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now certain (possibly empty)."""
-        self._ids.extend(token_ids)
         if not token_ids:
             return ""
+        start = len(self._ids)
+        self._ids.extend(token_ids)
+        if self._stream is not None:
+            delta = self._add_rust(token_ids, start)
+            if delta is not None:
+                return delta
+        return self._add_window()
+
+    def _add_rust(self, token_ids: Sequence[int], start: int) -> str | None:
+        """DecodeStream steps; None when it gave up (the Python window takes over)."""
+        pieces = []
+        try:
+            for token in token_ids:
+                piece = self._stream.step(self._backend, token)
+                if piece:
+                    pieces.append(piece)
+        except Exception:
+            # It refuses sequences whose decode is not monotonic (odd byte runs). Drop this
+            # call's pieces and let the window re-derive them, starting where the text
+            # emitted so far ends.
+            self._stream = None
+            self._prefix_offset = self._read_offset = self._covering_prefix(len(self.text), start)
+            return None
+        delta = "".join(pieces)
+        if delta:
+            self._emitted.append(delta)
+        self._read_offset = len(self._ids)
+        return delta
+
+    def _covering_prefix(self, num_chars: int, hi: int) -> int:
+        """Where the window restarts: the most leading ids (at most `hi`) that decode to
+        exactly the text emitted so far. DecodeStream emits text for a prefix of the ids and
+        holds back only its last few, so a short backward scan finds it; failing that, the
+        fewest ids whose decode is at least that long (a binary search)."""
+        emitted = self.text
+        for end in range(hi, max(hi - _BACKWARD_SCAN, -1), -1):
+            if decode(self._tokenizer, self._ids[:end]) == emitted:
+                return end
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(self._tokenizer, self._ids[:mid])) >= num_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _add_window(self) -> str:
         prefix_text = decode(self._tokenizer, self._ids[self._prefix_offset : self._read_offset])
         new_text = decode(self._tokenizer, self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
@@ -94,6 +175,8 @@ class IncrementalDetokenizer:
 
 class StopStringMatcher:
     """Cuts the text at the first stop string, holding back possible stop-string prefixes."""
+
+    __slots__ = ("_stops", "_include", "_held", "matched")
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
@@ -136,11 +219,21 @@ class StopStringMatcher:
         return best
 
     def _partial_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of `buf` that is a proper prefix of a stop string.
+
+        Only positions holding a stop's first character can start one, so each stop costs
+        a `find` per candidate over its last len(stop) - 1 characters."""
         longest = 0
+        n = len(buf)
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), longest, -1):
-                if buf.endswith(stop[:k]):
-                    longest = k
+            first = stop[0]
+            # a start at pos gives a suffix of n - pos characters: shorter than the stop,
+            # longer than the best so far
+            lo, hi = max(n - len(stop) + 1, 0), n - longest
+            pos = buf.find(first, lo, hi)
+            while pos >= 0:
+                if stop.startswith(buf[pos:]):
+                    longest = n - pos  # the earliest start is the longest suffix
                     break
+                pos = buf.find(first, pos + 1, hi)
         return longest

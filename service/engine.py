@@ -9,7 +9,9 @@ One loop iteration::
     while fewer than 2 plans in flight and there is work:
         plan = schedule(); worker.submit(plan)        # plan N+1 leaves before output N
     output = await worker.get_output()                 # answers the oldest plan
-    update_from_output(oldest plan, output) -> route each RequestOutput to its stream
+    update_from_output(oldest plan, output)
+    output processor: detokenize, stop strings -> deltas into bounded streams
+    scheduler.abort(each request a stop string ended)  # KV free before the next plan
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from scheduler.interface import SchedulerInterface
-from scheduler.output import ModelRunnerOutput, RequestOutput
+from scheduler.output import ModelRunnerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.stats import SchedulerStats
-from service.detokenizer import Tokenizer
+from service.detokenizer import Tokenizer, TokenTexts
 from service.metrics import ServiceMetrics
+from service.output_processor import OutputProcessor
 from service.step_records import StepRecordHub
 from service.stream import (
+    DEFAULT_MAX_BUFFERED_TOKENS,
     EngineDeadError,
     EngineOverloadedError,
     RequestRejectedError,
@@ -46,7 +50,8 @@ _IDLE_POLL_S = 0.5  # how often an idle loop checks that the worker is still ali
 
 
 class AsyncEngine:
-    """Owns the scheduler and the worker client once started; routes outputs to streams."""
+    """Owns the scheduler and the worker client once started; its output processor turns
+    outputs into stream deltas."""
 
     def __init__(
         self,
@@ -58,17 +63,19 @@ class AsyncEngine:
         max_waiting_requests: int | None = None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # logprobs' token strings, decoded once each
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.clock = clock
         self.dead = asyncio.Event()  # set when the worker died or a step failed
         self.error: str | None = None
-        self._streams: dict[str, RequestStream] = {}
+        self.output = OutputProcessor(tokenizer, metrics, max_buffered_tokens)
         self._new: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._wakeup = asyncio.Event()
@@ -83,7 +90,7 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         """Requests with a live stream (submitted and not yet ended)."""
-        return len(self._streams)
+        return len(self.output)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -114,23 +121,14 @@ class AsyncEngine:
         """Queue a request for the loop and return its stream (iterate it; `close()` aborts)."""
         if self.dead.is_set():
             raise EngineDeadError(self.error or "engine is not running")
-        if request_id in self._streams:
+        if request_id in self.output:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
-        stream = RequestStream(
-            request_id,
-            len(prompt_token_ids),
-            self.tokenizer,
-            stop=tuple(stop),
-            include_stop_str_in_output=include_stop_str_in_output,
-            arrival_time=now,
-            abort=self.abort,
-            metrics=self.metrics,
-        )
+        stream = RequestStream(request_id, len(prompt_token_ids), self.abort, self.output.max_buffered_tokens)
         req = Request(request_id, list(prompt_token_ids), sampling_params, now, eos_token_ids=self.eos_token_ids)
         if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
             req.tenant = user
-        self._streams[request_id] = stream
+        self.output.add_request(stream, tuple(stop), include_stop_str_in_output, now)
         self._new.append(req)
         self._idle.clear()
         self._wakeup.set()
@@ -157,11 +155,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed by the loop's next iteration."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
         # Ends the stream for a consumer still reading (drain timeout); harmless otherwise.
-        stream.put(RequestOutput(request_id, (), finished=True, finish_reason="abort"), self.clock())
+        if not self.output.abort(request_id, self.clock()):
+            return
         self._aborts.append(request_id)
         self._wakeup.set()
 
@@ -174,12 +170,12 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` s for every request to end; abort the rest. True if all ended."""
-        if not self._streams:
+        if not self.output:
             return True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._wait_all_done()
-        leftover = list(self._streams)
+        leftover = list(self.output.request_ids())
         for request_id in leftover:
             self.abort(request_id)
         return not leftover
@@ -194,7 +190,7 @@ class AsyncEngine:
         await self.worker.shutdown()
 
     async def _wait_all_done(self) -> None:
-        while self._streams:
+        while self.output:
             self._idle.clear()
             await self._idle.wait()
 
@@ -224,13 +220,12 @@ class AsyncEngine:
         changed = False
         while self._new:
             req = self._new.popleft()
-            if req.request_id not in self._streams:
+            if req.request_id not in self.output:
                 continue  # aborted before it reached the scheduler
             try:
                 self.scheduler.add_request(req)
             except ValueError as exc:
-                stream = self._streams.pop(req.request_id)
-                stream.fail(RequestRejectedError(str(exc)))
+                self.output.reject(req.request_id, RequestRejectedError(str(exc)))
             changed = True
         while self._aborts:
             self.scheduler.abort(self._aborts.popleft())
@@ -251,9 +246,7 @@ class AsyncEngine:
             in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
             self.step_records.on_plan(plan, now)
             for new in plan.scheduled_new_reqs:
-                stream = self._streams.get(new.req_id)
-                if stream is not None and stream.first_scheduled_time is None:
-                    stream.first_scheduled_time = now
+                self.output.mark_scheduled(new.req_id, now)
             if plan.is_empty:
                 return  # only frees to deliver; no point planning past it
 
@@ -266,13 +259,11 @@ class AsyncEngine:
             # exits non-zero and its supervisor restarts it, as for a dead worker.
             raise StepFailedError(f"worker step {output.step_id} failed: {output.error}")
         outputs = self.scheduler.update_from_output(step.plan, output, now)
-        for out in outputs:
-            stream = self._streams.get(out.req_id)
-            if stream is None:
-                continue  # aborted: its late token is dropped
-            if out.finished:
-                del self._streams[out.req_id]
-            stream.put(out, now)
+        # Stop strings (and readers a whole buffer behind) end requests here, before the
+        # next plan is built: the plan already in flight samples one more token for them,
+        # which the scheduler drops since they are gone.
+        for req_id in self.output.process(outputs, now):
+            self.scheduler.abort(req_id)
         self.step_records.on_output(step.plan, output, outputs, now)
         self._stats = self.scheduler.stats()
         if self.metrics is not None:
@@ -282,7 +273,7 @@ class AsyncEngine:
                 self.metrics.observe_step(step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration,
                                           output.execute_time)
         self._last_output_time = now
-        if not self._streams:
+        if not self.output:
             self._idle.set()
 
     async def _wait_for_work(self) -> None:
@@ -290,7 +281,7 @@ class AsyncEngine:
         self._stats = self.scheduler.stats()
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
-        if not self._streams:
+        if not self.output:
             self._idle.set()
             self._check_integrity()
         timeout = _IDLE_POLL_S if not self.scheduler.has_unfinished_requests() else 0.005
@@ -313,8 +304,6 @@ class AsyncEngine:
             log.exception("scheduler integrity check failed while idle")
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        for stream in self._streams.values():
-            stream.fail(error)
-        self._streams.clear()
+        self.output.fail_all(error)
         self._idle.set()
 

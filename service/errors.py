@@ -28,6 +28,7 @@ _ERROR_TYPES: dict[int, str] = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -82,6 +83,15 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 invalid_request_error."""
     return APIError(400, message, param=param)
+
+
+def unsupported_media_type(content_type: str) -> APIError:
+    """A 415 for a JSON route given another Content-Type."""
+    return APIError(
+        415,
+        f"request body must be JSON (Content-Type: application/json), got Content-Type {content_type!r}",
+        code="unsupported_media_type",
+    )
 
 
 def from_sampling_error(exc: SamplingParamsError) -> APIError:

@@ -3,10 +3,12 @@
 Counters get ``_total`` appended by prometheus-client on exposition, so
 ``stepserve:prompt_tokens`` is scraped as ``stepserve:prompt_tokens_total`` (vLLM's name).
 Scheduler gauges and cumulative counters are refreshed from `SchedulerStats` once per
-step; request-level histograms are observed by each request's stream.
+step; token and request histograms by the engine's output processor, as outputs arrive.
 """
 
 from __future__ import annotations
+
+import bisect
 
 from prometheus_client import (
     CollectorRegistry,
@@ -123,6 +125,18 @@ class ServiceMetrics:
         else:
             self.inter_token_latency.observe(latency)
 
+    def observe_step_tokens(self, num_generated: int, ttfts: list[tuple[int, float]], itls: list[float]) -> None:
+        """`observe_tokens` for a whole step at once: the tokens it generated, (prompt
+        length, TTFT) of the requests it gave their first token, and the inter-token
+        latencies of the others. It runs for every request at every step, so the ITLs go
+        into the histogram in one pass (`observe_all`)."""
+        self.generation_tokens.inc(num_generated)
+        for num_prompt, ttft in ttfts:
+            self.prompt_tokens.inc(num_prompt)
+            self.time_to_first_token.observe(ttft)
+        if itls:
+            observe_all(self.inter_token_latency, itls)
+
     def observe_finished(
         self, reason: str, *, e2e: float, queue_time: float | None, ttft: float | None, num_output: int
     ) -> None:
@@ -151,3 +165,18 @@ class ServiceMetrics:
         if delta > 0:
             counter.inc(delta)
         self._last_cumulative[key] = max(value, self._last_cumulative[key])
+
+
+def observe_all(histogram: Histogram, values: list[float]) -> None:
+    """``for v in values: histogram.observe(v)`` in one pass: a bucket count and the sum are
+    added once each. It reaches into prometheus_client's Histogram child (`_upper_bounds`,
+    `_buckets`, `_sum`, as its own `observe` does); tests/service/test_output_processor.py checks the
+    result against `observe` one value at a time."""
+    bounds = histogram._upper_bounds  # sorted, ending with +Inf
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1
+    histogram._sum.inc(sum(values))
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)

@@ -3,7 +3,8 @@
 Each choice (prompt x n) is one engine request with id ``{response id}-{index}``; siblings
 share the prompt, so the scheduler's prefix cache lets them share its KV blocks.
 Tokenization and chat templates run in a thread pool, so a huge prompt never stalls the
-event loop (and with it every other stream).
+event loop (and with it every other stream). The engine hands each stream ready deltas;
+handlers only format and write them, SSE writes going through the app's stall watch.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pydantic import BaseModel
 
 from scheduler.sampling import SamplingParams
 from service import responses as R
-from service.errors import APIError, bad_request, error_body
+from service.errors import APIError, bad_request, error_body, unsupported_media_type
 from service.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
 from service.sse import DONE, event, merge, open_event_stream
+from service.stall import GuardedWriter
 from service.state import STATE, LoadedEngine, ServiceState
 from service.stream import (
     EngineDeadError,
@@ -31,6 +33,7 @@ from service.stream import (
     EngineOverloadedError,
     RequestRejectedError,
     RequestStream,
+    StreamDelta,
 )
 from worker.tokenizer import apply_chat_template
 
@@ -77,7 +80,15 @@ def _ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
     return state, state.require_ready()
 
 
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or (content_type.startswith("application/") and content_type.endswith("+json"))
+
+
 async def _read_json(request: web.Request) -> Any:
+    # A body without a Content-Type is read as JSON (as FastAPI, and so vLLM, does); one
+    # that says it is something else is refused before it is read.
+    if "Content-Type" in request.headers and not _is_json(request.content_type):
+        raise unsupported_media_type(request.content_type)
     body = await request.read()  # raises 413 past client_max_size
     try:
         data = orjson.loads(body)
@@ -164,8 +175,8 @@ async def _serve(
     prompt_tokens = sum(len(ids) for ids in prompts)
     try:
         if req.stream:
-            return await _stream(request, engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
-        return await _whole(engine.tokenizer, req, meta, streams, [c.index for c in choices], prompt_tokens)
+            return await _stream(request, state, engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens)
+        return await _whole(engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens)
     finally:  # whatever happened (a client gone before the first event included), abort the rest
         for stream in streams:
             stream.close()
@@ -178,7 +189,7 @@ def _generation_error(exc: EngineError) -> APIError:
 
 
 async def _whole(
-    tokenizer: Any, req: BaseModel, meta: R.ResponseMeta, streams: list[RequestStream], indices: list[int], prompt_tokens: int
+    token_text: R.TokenText, req: BaseModel, meta: R.ResponseMeta, streams: list[RequestStream], indices: list[int], prompt_tokens: int
 ) -> web.Response:
     results = [R.ChoiceResult(index=i) for i in indices]
     cached = 0
@@ -197,13 +208,14 @@ async def _whole(
         raise _generation_error(exc) from None
     usage = R.usage(prompt_tokens, sum(r.num_output_tokens for r in results), cached)
     want_logprobs = req.num_logprobs() is not None  # type: ignore[attr-defined]
-    body = R.full_response(meta, results, usage, tokenizer, want_logprobs)
+    body = R.full_response(meta, results, usage, token_text, want_logprobs)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def _stream(
     request: web.Request,
-    tokenizer: Any,
+    state: ServiceState,
+    token_text: R.TokenText,
     req: CompletionRequest | ChatCompletionRequest,
     meta: R.ResponseMeta,
     streams: list[RequestStream],
@@ -211,36 +223,74 @@ async def _stream(
     prompt_tokens: int,
 ) -> web.StreamResponse:
     response = await open_event_stream(request)
-    include_usage, want_logprobs = req.include_usage, req.num_logprobs() is not None
-    num_output = [0] * len(streams)
-    offsets = [0] * len(streams)
-    if meta.chat:
-        for index in indices:
-            await response.write(event(R.chunk(meta, R.chat_role_choice(index), None, include_usage)))
-    try:
-        async for pos, delta in merge(streams):
-            num_output[pos] = delta.num_output_tokens
-            logprobs = None
-            if want_logprobs:
-                if meta.chat:
-                    logprobs = R.chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)
-                else:
-                    logprobs = R.completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[pos])
-            offsets[pos] += len(delta.text)
-            choice = R.stream_choice(meta, indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
-            await response.write(event(R.chunk(meta, choice, None, include_usage)))
-    except EngineError as exc:
-        err = _generation_error(exc)
-        await response.write(event(error_body(err.status, err.message)))
-    except ConnectionResetError:
-        return response  # the client left; closing its streams (in merge) aborted them
-    except Exception:
-        # Headers are out: the error can only travel as an event.
-        log.exception("stream %s failed", meta.id)
-        await response.write(event(error_body(500, "internal server error; see the server log")))
-    else:
-        if include_usage:
-            await response.write(event(R.chunk(meta, None, R.usage(prompt_tokens, sum(num_output)), True)))
-    await response.write(DONE)
+    with state.stall_watch.watch(request, response, streams) as writer:
+        try:
+            await _write_events(writer, token_text, req, meta, streams, indices, prompt_tokens)
+        except ConnectionResetError:
+            return response  # the client left (or stalled): its streams are closed, so aborted
+        await writer.write(DONE)
     await response.write_eof()
     return response
+
+
+async def _write_events(
+    writer: GuardedWriter,
+    token_text: R.TokenText,
+    req: CompletionRequest | ChatCompletionRequest,
+    meta: R.ResponseMeta,
+    streams: list[RequestStream],
+    indices: list[int],
+    prompt_tokens: int,
+) -> None:
+    """Every content event, then the usage event (or an error event: headers are out)."""
+    events = _EventBuilder(token_text, req, meta, indices)
+    if meta.chat:
+        for index in indices:
+            await writer.write(events.encoder.choice_event(R.chat_role_choice(index)))
+    try:
+        if len(streams) == 1:  # most requests: read the stream itself, no merging layer
+            async for delta in streams[0]:
+                await writer.write(events.content(0, delta))
+        else:
+            async for pos, delta in merge(streams):
+                await writer.write(events.content(pos, delta))
+    except EngineError as exc:
+        err = _generation_error(exc)
+        await writer.write(event(error_body(err.status, err.message)))
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("stream %s failed", meta.id)
+        await writer.write(event(error_body(500, "internal server error; see the server log")))
+    else:
+        if req.include_usage:
+            usage = R.usage(prompt_tokens, sum(events.num_output), events.cached)
+            await writer.write(event(R.chunk(meta, None, usage, True)))
+
+
+class _EventBuilder:
+    """One streamed response's content events, and the usage they add up to."""
+
+    def __init__(self, token_text: R.TokenText, req: CompletionRequest | ChatCompletionRequest,
+                 meta: R.ResponseMeta, indices: list[int]) -> None:
+        self.token_text, self.meta, self.indices, self.n = token_text, meta, indices, req.n
+        self.want_logprobs = req.num_logprobs() is not None
+        self.encoder = R.ChunkEncoder(meta, req.include_usage)
+        self.num_output = [0] * len(indices)
+        self.offsets = [0] * len(indices)
+        self.cached = 0
+
+    def content(self, pos: int, delta: StreamDelta) -> bytes:
+        self.num_output[pos] = delta.num_output_tokens
+        if delta.finished and self.indices[pos] % self.n == 0:  # a prompt counts once, as in prompt_tokens
+            self.cached += delta.num_cached_tokens
+        logprobs = _delta_logprobs(self.token_text, self.meta, delta, self.offsets[pos]) if self.want_logprobs else None
+        self.offsets[pos] += len(delta.text)
+        choice = R.stream_choice(self.meta, self.indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
+        return self.encoder.choice_event(choice)
+
+
+def _delta_logprobs(token_text: R.TokenText, meta: R.ResponseMeta, delta: StreamDelta, offset: int) -> dict[str, Any]:
+    if meta.chat:
+        return R.chat_logprobs(token_text, delta.token_ids, delta.logprobs)
+    return R.completion_logprobs(token_text, delta.token_ids, delta.logprobs, offset)

@@ -1,8 +1,12 @@
 """OpenAI-compatible request bodies (pydantic v2) and their translation to `SamplingParams`.
 
 Types are strict: a string where a number belongs is a 400, not a silent coercion. Ranges
-are checked by `SamplingParams` itself (its `SamplingParamsError` names the field), so the
-limits live in one place. Unknown fields are ignored, as OpenAI clients send extras.
+are those the OpenAI API documents (temperature 0..2, top_p 0..1, penalties -2..2,
+completions `logprobs` 0..5, chat `top_logprobs` 0..20, n and max_tokens at least 1) and,
+for the vLLM extensions, those vLLM's `SamplingParams` enforces (top_k >= -1, min_p 0..1,
+repetition_penalty > 0, min_tokens >= 0); a value outside one is a 400 naming the field.
+`SamplingParams` checks what it needs again (and what relates two fields, such as
+min_tokens <= max_tokens). Unknown fields are ignored, as OpenAI clients send extras.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from scheduler.sampling import SamplingParams
 from service.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024  # matching costs O(len) per token in the handler
+MAX_STOP_STRING_CHARS = 1024  # matching costs up to O(len) per token in the engine's loop
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
 
 
 class StreamOptions(BaseModel):
@@ -26,30 +32,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: Annotated[int | None, Field(ge=1)] = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    n: Annotated[int, Field(ge=1)] = 1
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int | None, Field(ge=-1)] = None
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None  # non-negative and in the vocabulary: checked later
+    repetition_penalty: Annotated[float | None, Field(gt=0.0)] = None
     priority: int = 0
     include_stop_str_in_output: bool = False
 
@@ -112,7 +121,7 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
     echo: bool = False
     suffix: str | None = None
 
@@ -168,9 +177,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -180,8 +189,6 @@ class ChatCompletionRequest(_SamplingRequest):
             if self.top_logprobs:
                 raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
             return None
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise bad_request(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
         return self.top_logprobs or 0
 
     def chat_messages(self) -> list[dict[str, str]]:

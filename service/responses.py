@@ -5,11 +5,15 @@ Plain dicts (serialized with orjson), in exactly the shapes the `openai` client 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from scheduler.output import TokenLogprobs
-from service.detokenizer import Tokenizer, decode
+
+TokenText = Callable[[int], str]  # a token id's own text (`service.detokenizer.TokenTexts`)
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return body
 
 
-def _token_str(tokenizer: Tokenizer, token_id: int) -> str:
-    return decode(tokenizer, (token_id,), skip_special_tokens=False)
-
-
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...], offset: int
+    token_text: TokenText, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...], offset: int
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object for some tokens, text offsets from `offset`."""
-    tokens = [_token_str(tokenizer, t) for t in token_ids]
+    tokens = [token_text(t) for t in token_ids]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
@@ -71,18 +71,18 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token_str(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
+    token_text: TokenText, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
 ) -> dict[str, Any]:
     """The chat `logprobs` object: one entry per token with its top alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        tok = _token_str(tokenizer, token_id)
+        tok = token_text(token_id)
         return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
 
     content = []
@@ -94,7 +94,7 @@ def chat_logprobs(
 
 
 def full_response(
-    meta: ResponseMeta, choices: list[ChoiceResult], usage_body: dict[str, Any], tokenizer: Tokenizer, want_logprobs: bool
+    meta: ResponseMeta, choices: list[ChoiceResult], usage_body: dict[str, Any], token_text: TokenText, want_logprobs: bool
 ) -> dict[str, Any]:
     """A whole (non-streaming) completion or chat completion."""
     out = []
@@ -102,10 +102,10 @@ def full_response(
         item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if meta.chat:
             item["message"] = {"role": "assistant", "content": c.text}
-            item["logprobs"] = chat_logprobs(tokenizer, c.token_ids, c.logprobs) if want_logprobs else None
+            item["logprobs"] = chat_logprobs(token_text, c.token_ids, c.logprobs) if want_logprobs else None
         else:
             item["text"] = c.text
-            item["logprobs"] = completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0) if want_logprobs else None
+            item["logprobs"] = completion_logprobs(token_text, c.token_ids, c.logprobs, 0) if want_logprobs else None
         out.append(item)
     return {
         "id": meta.id,
@@ -129,6 +129,21 @@ def chunk(meta: ResponseMeta, choice: dict[str, Any] | None, usage_body: dict[st
     if include_usage:
         body["usage"] = usage_body
     return body
+
+
+class ChunkEncoder:
+    """Stream chunks as SSE events, byte for byte what ``event(chunk(...))`` gives: the parts
+    every chunk of a response repeats are serialized once, only the choice per event."""
+
+    __slots__ = ("_prefix", "_suffix")
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool) -> None:
+        head = orjson.dumps({"id": meta.id, "object": meta.chunk_object, "created": meta.created, "model": meta.model})
+        self._prefix = b"data: " + head[:-1] + b',"choices":['
+        self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+
+    def choice_event(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + orjson.dumps(choice) + self._suffix
 
 
 def chat_role_choice(index: int) -> dict[str, Any]:

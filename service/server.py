@@ -74,6 +74,8 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerCon
         long_prefill_token_threshold=a["long_prefill_token_threshold"],
         preemption_mode=a["preemption_mode"],
         enable_prefix_caching=a["enable_prefix_caching"],
+        aging_period=a["aging_period"],
+        priority_preemption_threshold=a["priority_preemption_threshold"],
         kv_bytes_per_token=info.kv_bytes_per_token,
         **policy_fields(a),
     )
@@ -120,6 +122,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_body_size=a["max_body_size"],
         enable_debug_endpoints=a["enable_debug_endpoints"],
         enable_dashboard=not a["disable_dashboard"],
+        stream_stall_timeout=a["stream_stall_timeout"],
     )
     app = create_app(config, engine_factory(args))
     state = app[STATE]
@@ -191,5 +194,7 @@ def _static_scheduler_checks(args: argparse.Namespace) -> dict[str, object]:
         "long_prefill_token_threshold": a["long_prefill_token_threshold"],
         "preemption_mode": a["preemption_mode"],
         **policy_fields(a),
+        "aging_period": a["aging_period"],
+        "priority_preemption_threshold": a["priority_preemption_threshold"],
     }
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from service.engine import AsyncEngine
 from service.errors import APIError
+from service.stall import DEFAULT_STALL_TIMEOUT, StallWatch
 
 DEFAULT_MAX_BODY_SIZE = 8 << 20  # bytes
 
@@ -38,6 +39,7 @@ class AppConfig:
     enable_debug_endpoints: bool = False
     enable_dashboard: bool = True  # GET /dashboard and its record stream
     tokenizer_threads: int = 2
+    stream_stall_timeout: float = DEFAULT_STALL_TIMEOUT  # seconds a client may stop reading an SSE stream
 
 
 @dataclass
@@ -66,9 +68,11 @@ class ServiceState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=lambda: int(time.time()))
     executor: ThreadPoolExecutor = field(init=False)  # tokenization and chat templates
+    stall_watch: StallWatch = field(init=False)  # aborts SSE clients that stopped reading
 
     def __post_init__(self) -> None:
         self.executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="stepserve-tokenize")
+        self.stall_watch = StallWatch(self.config.stream_stall_timeout)
 
     def require_ready(self) -> LoadedEngine:
         """The engine, or a 503 saying why there is none to use."""

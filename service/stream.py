@@ -1,10 +1,23 @@
-"""`RequestStream`: one request's output channel from the engine loop to its HTTP handler.
+"""`RequestStream`: one request's bounded output buffer between the engine and its handler.
 
-The engine loop's router calls `put()` with each `RequestOutput` (cheap: a queue push and
-a few metric observations). The handler iterates the stream; detokenization and
-stop-string matching run there, in the handler's task, so one slow or large stream never
-holds up the router. A stop string ends the request from this side: the stream asks the
-engine to abort it in the scheduler and reports finish reason "stop".
+The engine's output processor (`service.output_processor`) pushes *ready* deltas: text
+already detokenized and cut at stop strings, logprobs, the finish reason, usage counts.
+The handler iterates the stream and only formats and writes; it never decides when a
+request ends.
+
+The buffer is one pending delta. A push the reader has not taken yet merges into it (text,
+token ids and logprobs concatenate; counts and the finish reason are the latest), so:
+
+- a reader that takes each delta before the next step's output arrives sees one delta per
+  step, and the time between its deltas is the per-token latency;
+- a slower reader sees fewer, larger deltas (coalesced), and nothing is lost;
+- the buffer never holds more than the tokens generated since the reader's last take.
+  Past `max_buffered_tokens` of them while the reader is not waiting (it is blocked on a
+  client that does not read), `push` reports an overflow and the engine aborts the
+  request; a client that stalls for less is caught by the stall watch (`service.stall`).
+
+Tokens whose text is still held back (half a character, a possible stop-string prefix) do
+not wake the reader; they ride along with the next delta that has text or ends the stream.
 """
 
 from __future__ import annotations
@@ -13,9 +26,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.output import RequestOutput, TokenLogprobs
-from service.detokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from service.metrics import ServiceMetrics
+from scheduler.output import TokenLogprobs
+
+DEFAULT_MAX_BUFFERED_TOKENS = 4096
 
 
 class EngineError(Exception):
@@ -38,9 +51,14 @@ class StepFailedError(EngineError):
     """A worker step raised: worker and scheduler may disagree, so the engine stops."""
 
 
-@dataclass(frozen=True)
+class ReaderTooSlowError(EngineError):
+    """The client fell so far behind that its buffer filled; the request was aborted."""
+
+
+@dataclass(slots=True)
 class StreamDelta:
-    """What a request produced since the last delta its consumer saw."""
+    """What a request produced since the last delta its consumer saw (one per event, so
+    slotted and not frozen: frozen ones are ~2x slower to build)."""
 
     request_id: str
     text: str
@@ -55,68 +73,88 @@ class StreamDelta:
 
 
 class RequestStream:
-    """Per-request queue plus the consumer-side text state; iterate it for `StreamDelta`s."""
+    """The pending delta of one request; iterate it for `StreamDelta`s, `close()` aborts."""
+
+    __slots__ = (
+        "request_id", "num_prompt_tokens", "max_buffered_tokens", "finished", "ended", "_abort",
+        "_texts", "_ids", "_lps", "_finish_reason", "_stop_reason", "_num_output", "_num_cached",
+        "_ready", "_error", "_waiter",
+    )
 
     def __init__(
         self,
         request_id: str,
         num_prompt_tokens: int,
-        tokenizer: Tokenizer,
-        *,
-        stop: tuple[str, ...],
-        include_stop_str_in_output: bool,
-        arrival_time: float,
         abort: Callable[[str], None],
-        metrics: ServiceMetrics | None,
+        max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.arrival_time = arrival_time
-        self.first_scheduled_time: float | None = None
-        self._queue: asyncio.Queue[tuple[RequestOutput, float] | EngineError] = asyncio.Queue()
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStringMatcher(stop, include_stop_str_in_output)
-        self._abort = abort
-        self._metrics = metrics
-        self._first_token_time: float | None = None
-        self._last_token_time = arrival_time
-        self._num_output = 0
-        self._recorded_finish = False
-        self._carried_ids: tuple[int, ...] = ()
-        self._carried_lps: tuple[TokenLogprobs, ...] = ()
+        self.max_buffered_tokens = max_buffered_tokens
         self.finished = False  # the consumer has seen (or caused) the end
+        self.ended = False  # the engine pushed the last delta (or failed the stream)
+        self._abort = abort
+        self._texts: list[str] = []
+        self._ids: list[int] = []
+        self._lps: list[TokenLogprobs] = []
+        self._finish_reason: str | None = None
+        self._stop_reason: str | int | None = None
+        self._num_output = 0
+        self._num_cached = 0
+        self._ready = False  # the pending delta is worth waking the reader for
+        self._error: EngineError | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
-    # -- router side -------------------------------------------------------------------
+    # -- engine side -------------------------------------------------------------------
 
-    def put(self, out: RequestOutput, now: float) -> None:
-        """Called by the engine loop for each output of this request."""
-        if out.new_token_ids and self._metrics is not None:
-            first = self._first_token_time is None
-            latency = now - (self.arrival_time if first else self._last_token_time)
-            self._metrics.observe_tokens(len(out.new_token_ids), first=first, num_prompt=self.num_prompt_tokens, latency=latency)
-        if out.new_token_ids:
-            self._first_token_time = self._first_token_time or now
-            self._last_token_time = now
-            self._num_output += len(out.new_token_ids)
-        if out.finished:
-            self.record_finish(out.finish_reason or "abort", now)
-        self._queue.put_nowait((out, now))
+    def push(
+        self,
+        text: str,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprobs, ...],
+        num_output_tokens: int,
+        num_cached_tokens: int,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> bool:
+        """Merge one step's delta into the pending one; False if the buffer overflowed."""
+        if self.ended:
+            return True
+        if text:
+            self._texts.append(text)
+            self._ready = True
+        if token_ids:
+            self._ids.extend(token_ids)
+        if logprobs:
+            self._lps.extend(logprobs)
+        self._num_output = num_output_tokens
+        self._num_cached = num_cached_tokens
+        if finish_reason is not None:
+            self._finish_reason, self._stop_reason = finish_reason, stop_reason
+            self.ended = self._ready = True
+        elif len(self._ids) > self.max_buffered_tokens and self._waiter is None:
+            return False
+        if self._ready:
+            self._wake()
+        return True
 
     def fail(self, error: EngineError) -> None:
-        """End the stream with an error (the worker died, or the request was refused)."""
-        self._queue.put_nowait(error)
+        """End the stream with an error (the worker died, the request was refused, ...)."""
+        if self.ended and self._error is None and self._finish_reason is not None:
+            return  # its last delta is already waiting for the reader
+        self._error = error
+        self.ended = True
+        self._wake()
 
-    def record_finish(self, reason: str, now: float) -> None:
-        """Count the request's end once, whichever side saw it first."""
-        if self._recorded_finish:
-            return
-        self._recorded_finish = True
-        if self._metrics is not None:
-            queue_time = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-            ttft = None if self._first_token_time is None else self._first_token_time - self.arrival_time
-            self._metrics.observe_finished(
-                reason, e2e=now - self.arrival_time, queue_time=queue_time, ttft=ttft, num_output=self._num_output
-            )
+    @property
+    def num_buffered_tokens(self) -> int:
+        """Tokens pushed and not yet taken by the reader."""
+        return len(self._ids)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- consumer side -----------------------------------------------------------------
 
@@ -124,16 +162,18 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
-        while not self.finished:
-            items = [await self._queue.get()]
-            # Coalesce what piled up while we were busy, except under stop strings: there a
-            # match must cut at its own token, or usage and logprobs would depend on timing.
-            while not self._stops.active and not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            delta = self._consume(items)
-            if delta is not None:
-                return delta
-        raise StopAsyncIteration
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._ready and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            self.finished = True
+            raise self._error
+        return self._take()
 
     def close(self) -> None:
         """The consumer is gone: abort the request unless it already ended."""
@@ -141,55 +181,23 @@ class RequestStream:
             self.finished = True
             self._abort(self.request_id)
 
-    def _consume(self, items: list[tuple[RequestOutput, float] | EngineError]) -> StreamDelta | None:
-        outs: list[RequestOutput] = []
-        for item in items:
-            if isinstance(item, EngineError):
-                self.finished = True
-                raise item
-            outs.append(item[0])
-            if item[0].finished:
-                break
-        token_ids = tuple(t for o in outs for t in o.new_token_ids)
-        logprobs = tuple(lp for o in outs for lp in o.logprobs)
-        last = outs[-1]
-        text = self._stops.feed(self._detok.add(token_ids))
-        finish_reason, stop_reason = last.finish_reason if last.finished else None, last.stop_token_id
-        if last.finished:
-            text += self._stops.feed(self._detok.finish())
-            text += self._stops.flush()
-        if self._stops.matched is not None:
-            finish_reason, stop_reason = "stop", self._stops.matched
-            self.record_finish("stop", self._last_token_time)  # before the abort records one
-            if not last.finished:
-                self._abort(self.request_id)  # the scheduler does not see stop strings
-        finished = finish_reason is not None
-        self.finished = finished
-        if not text and not finished:
-            self._carry(token_ids, logprobs)
-            return None
-        token_ids, logprobs = self._with_carried(token_ids, logprobs)
-        return StreamDelta(
-            request_id=self.request_id,
-            text=text,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finished=finished,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason if finished else None,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=len(self._detok.token_ids),
-            num_cached_tokens=last.num_cached_tokens,
+    def _take(self) -> StreamDelta:
+        finished = self._finish_reason is not None
+        delta = StreamDelta(
+            self.request_id,
+            "".join(self._texts),
+            tuple(self._ids),
+            tuple(self._lps),
+            finished,
+            self._finish_reason,
+            self._stop_reason if finished else None,
+            self.num_prompt_tokens,
+            self._num_output,
+            self._num_cached,
         )
-
-    def _carry(self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]) -> None:
-        """Tokens whose text is still held back ride along with the next non-empty delta."""
-        self._carried_ids += token_ids
-        self._carried_lps += logprobs
-
-    def _with_carried(
-        self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]
-    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...]]:
-        ids, lps = self._carried_ids + token_ids, self._carried_lps + logprobs
-        self._carried_ids, self._carried_lps = (), ()
-        return ids, lps
+        self._texts.clear()
+        self._ids.clear()
+        self._lps.clear()
+        self._ready = False
+        self.finished = finished
+        return delta

@@ -9,7 +9,10 @@ loop and maybe CUDA). Two threads::
     main thread:   queue ──▶ runner.execute(plan) ──send──▶ pipe
 
 An exception inside a step is logged here with its traceback and answered as an error
-output for that step; the worker keeps serving.
+output for that step. The engine treats such an output as fatal (the step may have applied
+part of its plan, and the next plan is already here), so it stops and the server exits
+non-zero; the worker itself only goes on reading until it is told to shut down or its
+parent is gone.
 """
 
 from __future__ import annotations

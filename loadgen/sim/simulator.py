@@ -1,19 +1,22 @@
-"""The virtual-clock simulator: drives the real `scheduler.Scheduler`, one plan at a time.
+"""The virtual-clock simulator: drives the real `scheduler.Scheduler` as the engine does.
 
 No threads and no sleeping. Each iteration::
 
     add every arrival with arrival_time <= clock
-    plan  = scheduler.schedule(clock)
+    plan  = the plan queued last iteration; queue scheduler.schedule(clock) behind it
     clock += cost_model.step_time(plan's batch)          # the step "runs"
     scheduler.update_from_output(plan, sampled tokens, clock)
 
-and when nothing is left to run the clock jumps to the next arrival. The simulated worker
-samples a token for a request exactly when the worker would: when the scheduled chunk
-reaches the end of the request's known tokens (context + n == prompt + outputs so far;
-with one plan in flight nothing is ever sampled-but-unreceived). Outputs are exact
-lengths: `SamplingParams(max_tokens=output_len, ignore_eos=True)`, or, for a request that
-declares a larger `max_tokens`, the simulated worker samples EOS as its output_len-th token.
-A workload request's `user` is its tenant.
+With overlap (the default, as in the engine) two plans are in flight: step N+1 is planned
+before step N's output is applied, so a request can count a sampled-but-unreceived token
+(a placeholder) and a request that finishes in step N may still be in plan N+1, whose
+token is discarded. `overlap=False` plans one step at a time. When nothing is left to run
+the clock jumps to the next arrival. The simulated worker samples a token for a request
+exactly when the worker would: when the scheduled chunk reaches the end of the request's
+known tokens (context + n == prompt + outputs applied before that step runs, as the worker
+knows them). Outputs are exact lengths: `SamplingParams(max_tokens=output_len, ignore_eos=True)`,
+or, for a request that declares a larger `max_tokens`, the simulated worker samples EOS as
+its output_len-th token. A workload request's `user` is its tenant.
 
 Every request ends finished or is reported unfinished with its state: a run stops early
 on `max_steps`, `max_time` (virtual seconds) or a stall (no token for a long while).

@@ -1,6 +1,8 @@
 """The calibration path end to end on the default model: `bench/worker_step.py` measures a
 grid of real steps, `stepserve simulate calibrate` fits a profile to them, and the simulator
-runs on that profile."""
+runs on that profile. Each check can fail: the written profile must reproduce the reported
+fit error on the measured steps, fit them at least as well as the profile it started
+from, and change what the simulator predicts."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
+from loadgen.sim.calibrate import StepSample, samples_from_bench
 from loadgen.sim.cli import main as simulate_main
+from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +31,7 @@ def _worker_step() -> ModuleType:
 
 def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _worker_step()
-    assert bench.main(["--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
+    assert bench.main(["--dtype", "float32", "--quantization", "none", "--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
                        "--chunk-context", "0", "24", "--repeat", "1", "--kv-cache-gib", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     result = out["results"][0]
@@ -41,14 +46,27 @@ def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.Ca
     assert simulate_main(["calibrate", "--from", str(steps_json), "--out", str(profile)]) == 0
     fit = json.loads(capsys.readouterr().out)
     assert fit["model_shape"] == "smollm2-135m" and fit["num_samples"] == 8
-    assert fit["profile"]["peak_flops"] > 0 and fit["profile"]["step_overhead"] >= 0
+    samples = samples_from_bench(out)
+    shape = get_model_shape("smollm2-135m").with_dtype("float32")
+    fitted = CostModel(shape, get_hardware(str(profile)))  # read back from --out
+    assert _rel_rmse(fitted, samples) == pytest.approx(fit["rel_rmse"], rel=1e-6)
+    assert fit["rel_rmse"] <= _rel_rmse(CostModel(shape, get_hardware("cpu")), samples) + 1e-9
 
+    summaries = [_simulate(tmp_path, hardware, capsys) for hardware in (str(profile), "cpu")]
+    assert all(s["completed"] == 6 and s["num_busy_steps"] > 0 for s in summaries)
+    assert summaries[0]["mean_step_ms"] != summaries[1]["mean_step_ms"]  # the profile is the one used
+
+
+def _rel_rmse(cost_model: CostModel, samples: list[StepSample]) -> float:
+    errors = [(cost_model.step_time(s.batch) - s.seconds) / s.seconds for s in samples]
+    return (sum(e * e for e in errors) / len(errors)) ** 0.5
+
+
+def _simulate(tmp_path: Path, hardware: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     sim_json = tmp_path / "sim.json"
-    assert simulate_main(["--model-shape", "smollm2-135m", "--hardware", str(profile), "--num-prompts", "6",
+    assert simulate_main(["--model-shape", "smollm2-135m", "--hardware", hardware, "--num-prompts", "6",
                           "--request-rate", "2", "--prompt-len", "uniform:16:64", "--output-len", "fixed:8",
                           "--num-gpu-blocks", "64", "--block-size", "16", "--seed", "1",
                           "--result-json", str(sim_json)]) == 0
-    summary = json.loads(sim_json.read_text())["summaries"]["continuous"]
-    assert summary["completed"] == 6 and summary["num_busy_steps"] > 0
-    # every busy step costs at least the fitted per-step overhead
-    assert summary["mean_step_ms"] >= fit["profile"]["step_overhead"] * 1e3
+    capsys.readouterr()
+    return json.loads(sim_json.read_text())["summaries"]["continuous"]

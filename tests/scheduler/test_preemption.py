@@ -41,9 +41,10 @@ def test_recompute_keeps_generated_tokens_and_goes_to_head() -> None:
         plan = s.schedule(now=0)
         s.update_from_output(plan, w.execute(plan), now=0)
     assert victim.output_token_ids[: len(kept)] == kept
-    assert plan.scheduled_cached_reqs[-1].resumed_from_preemption or any(
-        c.req_id == "r2" and c.resumed_from_preemption for c in plan.scheduled_cached_reqs
-    )
+    # r2's own entry says it resumes (the worker kept its state), whatever else is in the plan
+    (entry,) = [c for c in plan.scheduled_cached_reqs if c.req_id == "r2"]
+    assert entry.resumed_from_preemption and entry.num_computed_tokens == 0
+    assert all(n.req_id != "r2" for n in plan.scheduled_new_reqs)
     drive(s, w)
     assert victim.num_output_tokens == 60 and victim.metrics.num_preemptions >= 1
 

@@ -30,6 +30,7 @@ from service.app import create_app
 from service.engine import AsyncEngine
 from service.metrics import ServiceMetrics
 from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState
+from service.stream import DEFAULT_MAX_BUFFERED_TOKENS
 from worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,12 @@ class InstantSetup:
     max_num_seqs: int = 64
     max_waiting_requests: int | None = None
     enable_prefix_caching: bool = True
+    runner: str = INSTANT  # "module:callable" the worker builds its runner with
+    swap_space: float = 0.0  # GiB of host swap slots
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+    priority_preemption_threshold: int | None = None
+    max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
 
 
 def instant_factory(tokenizer: Any, setup: InstantSetup = InstantSetup()) -> EngineFactory:
@@ -61,14 +68,20 @@ def instant_factory(tokenizer: Any, setup: InstantSetup = InstantSetup()) -> Eng
     from worker.client import WorkerClient
 
     async def build() -> LoadedEngine:
-        worker = WorkerClient(WorkerConfig(kv_cache_memory=setup.kv_cache_memory, max_model_len=setup.max_model_len), INSTANT)
+        worker_config = WorkerConfig(kv_cache_memory=setup.kv_cache_memory, max_model_len=setup.max_model_len,
+                                     swap_space=setup.swap_space)
+        worker = WorkerClient(worker_config, setup.runner)
         info = await worker.start()
         config = SchedulerConfig(
             max_num_seqs=setup.max_num_seqs,
             max_model_len=info.max_model_len,
             num_gpu_blocks=info.num_gpu_blocks,
+            num_cpu_blocks=info.num_cpu_blocks,
             block_size=info.block_size,
             enable_prefix_caching=setup.enable_prefix_caching,
+            preemption_mode=setup.preemption_mode,  # type: ignore[arg-type]
+            policy=setup.policy,  # type: ignore[arg-type]
+            priority_preemption_threshold=setup.priority_preemption_threshold,
         )
         engine = AsyncEngine(
             Scheduler(config),
@@ -77,6 +90,7 @@ def instant_factory(tokenizer: Any, setup: InstantSetup = InstantSetup()) -> Eng
             eos_token_ids=info.eos_token_ids,
             max_waiting_requests=setup.max_waiting_requests,
             metrics=ServiceMetrics(info.model_name),
+            max_buffered_tokens=setup.max_buffered_tokens,
         )
         return LoadedEngine(engine, info.model_name, info.max_model_len, info.vocab_size, info.model_path)
 

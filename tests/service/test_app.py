@@ -3,6 +3,7 @@ response shapes, streaming, n, stop strings, logprobs, usage, KV accounting."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -159,14 +160,64 @@ async def test_token_prompt_and_detokenized_text(app: tuple[TestClient, ServiceS
 
 
 async def test_models_version_metrics(app: tuple[TestClient, ServiceState]) -> None:
+    """Each counter is checked against this test's own request, whatever ran before."""
     client, _ = app
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "instant" and models["data"][0]["max_model_len"] == 1024
-    assert (await client.get("/version")).status == 200
+    version = await client.get("/version")
+    assert version.status == 200 and (await version.json()) == {"version": importlib.metadata.version("stepserve")}
+    before = await _finished_counts(client)
+    full = (await _complete(client, max_tokens=12, ignore_eos=True))["choices"][0]["text"]
+    stopped = await _complete(client, max_tokens=12, ignore_eos=True, stop=[full[3:6]])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    after = await _finished_counts(client)
+    assert (after["stop"] - before["stop"], after["length"] - before["length"]) == (1, 1)
     text = await (await client.get("/metrics")).text()
-    for name in ("stepserve:generation_tokens_total", "stepserve:time_to_first_token_seconds_bucket", "stepserve:kv_cache_usage_perc", 'finished_reason="stop"'):
+    for name in ("stepserve:generation_tokens_total", "stepserve:time_to_first_token_seconds_bucket", "stepserve:kv_cache_usage_perc"):
         assert name in text
     assert (await client.get("/health")).status == 200
+
+
+async def test_streaming_usage_reports_cached_prompt_tokens(app: tuple[TestClient, ServiceState], settled_kv: Any) -> None:
+    """A prompt whose first two blocks are in the prefix cache (its twin ran just before)
+    reports them in the streamed usage, as the non-streaming response does."""
+    client, _ = app
+    prompt = list(range(7000, 7040))  # 40 tokens: two full 16-token blocks, seen by no other test
+    cold = await _complete(client, prompt=prompt, max_tokens=4, ignore_eos=True)
+    assert "prompt_tokens_details" not in cold["usage"]
+    await settled_kv(client)
+    hits_before = await _metric_value(client, "stepserve:prefix_cache_hits_total")
+    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    usage = (await _sse(await client.post("/v1/completions", json=body)))[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 4
+    assert await _metric_value(client, "stepserve:prefix_cache_hits_total") - hits_before == 32
+    warm = await _complete(client, prompt=prompt, max_tokens=4, ignore_eos=True)
+    assert warm["usage"] == usage
+
+
+async def _metric_value(client: TestClient, name: str) -> float:
+    text = await (await client.get("/metrics")).text()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return values[name]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+async def test_json_routes_refuse_other_content_types(app: tuple[TestClient, ServiceState], settled_kv: Any,
+                                                     content_type: str) -> None:
+    client, _ = app
+    body = orjson.dumps({"prompt": "Hello there", "max_tokens": 2})
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = await client.post(path, data=body, headers={"Content-Type": content_type})
+        assert resp.status == 415
+        err = (await resp.json())["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+        assert err["code"] == "unsupported_media_type" and content_type.split(";")[0] in err["message"]
+    assert (await settled_kv(client))["num_unfinished_streams"] == 0
+    for ok_type in ("application/json", "application/json; charset=utf-8", None):
+        headers = {"Content-Type": ok_type} if ok_type else {}
+        ok = await client.post("/v1/completions", data=body, headers=headers, skip_auto_headers=["Content-Type"])
+        assert ok.status == 200, (ok_type, await ok.text())
 
 
 async def test_step_metrics_include_the_workers_execute_time(app: tuple[TestClient, ServiceState]) -> None:

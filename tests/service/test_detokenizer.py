@@ -1,4 +1,5 @@
-"""Incremental detokenization (multi-byte characters, BPE merges) and stop-string trimming."""
+"""Incremental detokenization (multi-byte characters, BPE merges; the Rust DecodeStream path,
+the Python window path and the fall-back between them) and stop-string trimming."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from service.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, decode
+from service.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TokenTexts,
+    decode,
+)
 
 TEXTS = [
     "Hello wörld! 你好，世界 🎉🎉 emoji and naïve café — “quotes”",
@@ -17,8 +24,38 @@ TEXTS = [
 ]
 
 
-def _stream(tokenizer: Any, ids: list[int], chunk: int = 1) -> tuple[list[str], str]:
+class PythonOnly:
+    """The default tokenizer without its Rust backend: the Python window path."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                          clean_up_tokenization_spaces=clean_up_tokenization_spaces))
+
+
+class GivesUpAfter:
+    """A DecodeStream stand-in that works for `n` tokens, then raises as the real one does
+    on a non-monotonic decode."""
+
+    def __init__(self, real: Any, n: int) -> None:
+        self.real, self.n = real, n
+
+    def step(self, backend: Any, token: int) -> str | None:
+        self.n -= 1
+        if self.n < 0:
+            raise Exception("Invalid prefix encountered")
+        return self.real.step(backend, token)
+
+
+def _stream(tokenizer: Any, ids: list[int], chunk: int = 1, give_up_after: int | None = None) -> tuple[list[str], str]:
     detok = IncrementalDetokenizer(tokenizer)
+    if give_up_after is not None:
+        detok._stream = GivesUpAfter(detok._stream, give_up_after)
     deltas = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.finish())
     return deltas, "".join(deltas)
@@ -31,6 +68,29 @@ def test_deltas_concatenate_to_full_decode(tokenizer: Any, text: str, chunk: int
     deltas, joined = _stream(tokenizer, ids, chunk)
     assert joined == decode(tokenizer, ids) == text
     assert not any(REPLACEMENT_CHAR in d for d in deltas), "a partial character leaked"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_python_window_path_matches_full_decode(tokenizer: Any, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas, joined = _stream(PythonOnly(tokenizer), ids)
+    assert joined == text and not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+@pytest.mark.parametrize("give_up_after", [0, 3, 9])
+def test_falling_back_from_decode_stream_loses_nothing(tokenizer: Any, give_up_after: int) -> None:
+    text = TEXTS[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for chunk in (1, 4):
+        deltas, joined = _stream(tokenizer, ids, chunk, give_up_after)
+        assert joined == text and not any(REPLACEMENT_CHAR in d for d in deltas)
+
+
+def test_token_texts_are_each_tokens_own_decode(tokenizer: Any) -> None:
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode("Hello wörld", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert [texts(t) for t in ids] == [decode(tokenizer, [t], skip_special_tokens=False) for t in ids]
+    assert texts(ids[-1]) == tokenizer.eos_token  # special tokens are shown, not skipped
 
 
 def test_random_token_sequences_match_full_decode(tokenizer: Any) -> None:
@@ -80,6 +140,20 @@ def test_stop_strings(stops: list[str], include: bool, pieces: list[str], expect
     matcher = StopStringMatcher(stops, include)
     assert _feed(matcher, pieces) == expected
     assert matcher.matched == matched
+
+
+def _naive_partial_suffix(buf: str, stops: list[str]) -> int:
+    return max((k for s in stops for k in range(1, min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k])), default=0)
+
+
+def test_held_back_suffix_is_the_longest_stop_prefix() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        buf = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 10)))
+        matcher = StopStringMatcher(stops)
+        if matcher._first_match(buf) is None:
+            assert matcher._partial_suffix_len(buf) == _naive_partial_suffix(buf, stops), (buf, stops)
 
 
 def test_stop_prefix_is_held_back_not_emitted() -> None:

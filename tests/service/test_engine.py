@@ -1,10 +1,13 @@
 """`AsyncEngine` without HTTP: overlap (two plans in flight), abort frees KV within a step,
-a failed worker step fails only its requests. The worker is a real InstantRunner process,
-seen through a thin recorder."""
+a failed worker step stops the engine, and the output path at the engine's pace (stop
+strings end requests whatever the reader does, slow readers get coalesced deltas, a reader
+a whole buffer behind is aborted). The worker is a real InstantRunner process, seen
+through a thin recorder."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,8 +18,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from service.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from service.engine import AsyncEngine
-from service.stream import EngineDeadError
+from service.stream import EngineDeadError, ReaderTooSlowError
 from worker.client import WorkerClient
 from worker.config import WorkerConfig
 
@@ -33,6 +37,7 @@ class RecordingWorker:
         self.outputs = 0
         self.fail_step: int | None = None
         self.aborts_seen: dict[str, int] = {}  # req id -> outputs received when its abort was sent
+        self.sampled: Counter[str] = Counter()  # req id -> tokens the worker sampled for it
 
     def submit(self, plan: SchedulerOutput) -> None:
         for rid in plan.aborted_req_ids:
@@ -43,6 +48,7 @@ class RecordingWorker:
     async def get_output(self) -> ModelRunnerOutput:
         out = await self.client.get_output()
         self.outputs += 1
+        self.sampled.update(out.sampled_token_ids.keys())
         if out.step_id == self.fail_step:
             return ModelRunnerOutput(out.step_id, {}, error="injected failure")
         return out
@@ -55,15 +61,28 @@ class RecordingWorker:
         return self.client.is_alive
 
 
-@pytest_asyncio.fixture
-async def engine(tokenizer: Any) -> AsyncIterator[AsyncEngine]:
+async def _start_engine(tokenizer: Any, **kwargs: Any) -> AsyncEngine:
     client = WorkerClient(WorkerConfig(kv_cache_memory=64 << 20, max_model_len=1024), INSTANT)
     info = await client.start()
     config = SchedulerConfig(max_model_len=1024, num_gpu_blocks=info.num_gpu_blocks, block_size=info.block_size)
-    eng = AsyncEngine(Scheduler(config), RecordingWorker(client), tokenizer, eos_token_ids=info.eos_token_ids)
+    eng = AsyncEngine(Scheduler(config), RecordingWorker(client), tokenizer, eos_token_ids=info.eos_token_ids, **kwargs)
     eng.start()
+    return eng
+
+
+@pytest_asyncio.fixture
+async def engine(tokenizer: Any) -> AsyncIterator[AsyncEngine]:
+    eng = await _start_engine(tokenizer)
     yield eng
     await eng.shutdown()
+
+
+async def _settled(engine: AsyncEngine, request_id: str) -> None:
+    """Until the request has ended in the engine and the scheduler and the worker are idle
+    (its reader may not have read anything)."""
+    while (request_id in engine.output or engine.scheduler.has_unfinished_requests()
+           or engine.worker.client.num_in_flight):  # type: ignore[attr-defined]
+        await asyncio.sleep(0.001)
 
 
 async def _collect(engine: AsyncEngine, rid: str, params: SamplingParams = GREEDY) -> tuple[str, str | None]:
@@ -140,3 +159,70 @@ async def test_stop_string_usage_does_not_depend_on_reader_speed(engine: AsyncEn
         assert last is not None and last.finish_reason == "stop"
         counts.append(last.num_output_tokens)
     assert counts[0] == counts[1] < GREEDY.max_tokens
+
+
+def _stop_token_index(tokenizer: Any, token_ids: list[int], stop: str) -> int:
+    """How many tokens the output has when the matcher first sees `stop` (1-based)."""
+    detok, matcher = IncrementalDetokenizer(tokenizer), StopStringMatcher([stop])
+    for i, token in enumerate(token_ids):
+        matcher.feed(detok.add([token]))
+        if matcher.matched is not None:
+            return i + 1
+    raise AssertionError(f"{stop!r} never appears")
+
+
+async def test_stop_string_finishes_in_the_scheduler_whatever_the_reader_does(engine: AsyncEngine, tokenizer: Any) -> None:
+    """A reader that reads nothing until the end: the request still ends in the scheduler
+    at the step its stop string appears. The worker samples at most one token past it (for
+    the plan already in flight), and that token is neither streamed nor counted."""
+    ids: list[int] = []
+    async for delta in engine.generate([10, 20, 30, 40], GREEDY, "ref"):
+        ids.extend(delta.token_ids)
+    full = tokenizer.decode(ids)
+    stop = full[8:11]
+    k = _stop_token_index(tokenizer, ids, stop)
+    stream = engine.submit([10, 20, 30, 40], GREEDY, "unread", stop=[stop])
+    await _settled(engine, "unread")
+    worker: RecordingWorker = engine.worker  # type: ignore[assignment]
+    assert k <= worker.sampled["unread"] <= k + 1 < GREEDY.max_tokens
+    deltas = [d async for d in stream]
+    assert len(deltas) == 1  # nothing was read while it ran: one coalesced delta
+    (last,) = deltas
+    assert (last.text, last.finish_reason, last.stop_reason) == (full[: full.index(stop)], "stop", stop)
+    assert last.num_output_tokens == len(last.token_ids) == k
+    engine.scheduler.check_integrity()
+
+
+async def test_slow_reader_gets_coalesced_deltas_with_the_same_content(engine: AsyncEngine) -> None:
+    fast = [d async for d in engine.generate([5, 6, 7], GREEDY, "fast")]
+    assert len(fast) > 1
+    stream = engine.submit([5, 6, 7], GREEDY, "slow")
+    seen = []
+    async for delta in stream:
+        seen.append(delta)
+        await asyncio.sleep(0.05)  # far slower than the stand-in generates
+    assert len(seen) < len(fast)
+    for deltas in (fast, seen):
+        assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == GREEDY.max_tokens
+    assert "".join(d.text for d in seen) == "".join(d.text for d in fast)
+    assert [t for d in seen for t in d.token_ids] == [t for d in fast for t in d.token_ids]
+
+
+async def test_reader_a_whole_buffer_behind_is_aborted(tokenizer: Any) -> None:
+    """Nothing buffers without bound: with an 8-token buffer, a request nobody reads is
+    aborted (and its KV freed) once 9 tokens wait, while a reader that keeps up finishes."""
+    engine = await _start_engine(tokenizer, max_buffered_tokens=8)
+    try:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = engine.submit([1, 2, 3], params, "stalled")
+        await _settled(engine, "stalled")
+        worker: RecordingWorker = engine.worker  # type: ignore[assignment]
+        assert worker.sampled["stalled"] <= 10  # 9 buffered, at most one more in flight
+        with pytest.raises(ReaderTooSlowError):
+            await stream.__anext__()
+        sched: Scheduler = engine.scheduler  # type: ignore[assignment]
+        assert sched.num_free_blocks == sched.config.num_gpu_blocks
+        read = [d async for d in engine.generate([1, 2, 3], params, "reader")]
+        assert read[-1].finish_reason == "length" and read[-1].num_output_tokens == 200
+    finally:
+        await engine.shutdown()

@@ -27,6 +27,14 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("max_tokens as string", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens zero", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("negative temperature", "POST", COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("temperature over 2", "POST", COMPLETIONS, {"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ("huge temperature", "POST", CHAT_PATH, {"messages": USER, "temperature": 1e300}, 400, "temperature"),
+    ("top_p over 1", "POST", COMPLETIONS, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("frequency penalty under -2", "POST", CHAT_PATH, {"messages": USER, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    ("completions logprobs over 5", "POST", COMPLETIONS, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ("min_p over 1", "POST", COMPLETIONS, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("max_completion_tokens zero", "POST", CHAT_PATH, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("negative top_logprobs", "POST", CHAT_PATH, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ("top_p zero", "POST", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_k negative", "POST", COMPLETIONS, {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("n zero", "POST", COMPLETIONS, {"prompt": "x", "n": 0}, 400, "n"),
@@ -60,9 +68,9 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
 ]
 
 
-def _call(url: str, method: str, body: Any) -> tuple[int, dict[str, Any]]:
+def _call(url: str, method: str, body: Any, content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -96,6 +104,16 @@ def test_bad_request(live_server: Any, name: str, method: str, path: str, body: 
     assert ok_code == 200 and ok["choices"][0]["text"] is not None
     kv = _settled_kv(live_server)
     assert kv["num_free_blocks"] == kv["num_gpu_blocks"], kv
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_non_json_content_type_is_415(live_server: Any, content_type: str) -> None:
+    code, payload = _call(live_server.url + COMPLETIONS, "POST", OK_BODY, content_type)
+    assert code == 415 and set(payload) == {"error"}
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["code"] == "unsupported_media_type"
+    kv = _settled_kv(live_server)
+    assert kv["num_free_blocks"] == kv["num_gpu_blocks"] and kv["num_unfinished_streams"] == 0
 
 
 def test_table_is_large_enough() -> None:

@@ -78,11 +78,13 @@ def test_nested_message_error_names_the_path() -> None:
     assert from_validation_error(info.value).param == "messages[1].role"
 
 
-def test_out_of_range_is_a_sampling_error_with_param() -> None:
-    req = CompletionRequest.model_validate({"prompt": "x", "top_p": 1.5})
+def test_a_rule_between_two_fields_is_a_sampling_error_with_param() -> None:
+    """Ranges of one field are the model's; min_tokens <= max_tokens (known only once the
+    context sets max_tokens) is SamplingParams'."""
+    req = CompletionRequest.model_validate({"prompt": "x", "min_tokens": 5})
     with pytest.raises(SamplingParamsError) as info:
         req.sampling_params(max_tokens=4)
-    assert info.value.param == "top_p"
+    assert info.value.param == "min_tokens"
 
 
 def test_context_length_message_has_the_numbers() -> None:
@@ -101,3 +103,42 @@ def test_stop_checks() -> None:
     req = CompletionRequest.model_validate({"prompt": "x", "stop": "END"})
     req.check()
     assert req.stop_strings == ("END",)
+
+
+@pytest.mark.parametrize(
+    ("route", "field", "bad", "good"),
+    [
+        # OpenAI's documented ranges
+        ("completions", "temperature", [-0.1, 2.01], [0, 2]),
+        ("chat", "temperature", [2.5], [0.0, 1.3]),
+        ("completions", "top_p", [0, 1.01], [0.01, 1]),
+        ("completions", "presence_penalty", [-2.1, 2.1], [-2, 2]),
+        ("chat", "frequency_penalty", [-2.5, 3], [-2.0, 2.0]),
+        ("completions", "logprobs", [-1, 6], [0, 5]),
+        ("chat", "top_logprobs", [-1, 21], [0, 20]),
+        ("completions", "n", [0, -3], [1, 4]),
+        ("completions", "max_tokens", [0, -1], [1]),
+        ("chat", "max_completion_tokens", [0], [1]),
+        # vLLM's ranges for its extensions
+        ("completions", "top_k", [-2], [-1, 0, 1, 50]),
+        ("completions", "min_p", [-0.1, 1.1], [0, 1]),
+        ("completions", "repetition_penalty", [0, -1], [0.01, 2, 5]),
+        ("completions", "min_tokens", [-1], [0, 3]),
+    ],
+)
+def test_documented_ranges(route: str, field: str, bad: list[float], good: list[float]) -> None:
+    model = CompletionRequest if route == "completions" else ChatCompletionRequest
+    base: dict[str, object] = {"prompt": "x"} if route == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    if field == "top_logprobs":
+        base["logprobs"] = True
+    for value in good:
+        req = model.model_validate({**base, field: value, "max_tokens": 8})
+        req.check()
+        req.num_logprobs()
+        if field not in ("n", "max_completion_tokens"):
+            req.sampling_params(max_tokens=8)
+    for value in bad:
+        with pytest.raises(ValidationError) as info:
+            model.model_validate({**base, field: value})
+        err = from_validation_error(info.value)
+        assert (err.status, err.param) == (400, field) and str(value) in err.message

@@ -54,3 +54,28 @@ def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytes
     assert "must be > 0" in capsys.readouterr().err
     assert serve_main(["--sjf-aging-rate", "0"]) == 2
     assert "sjf_aging_rate" in capsys.readouterr().err
+
+
+def test_aging_and_priority_preemption_flags_reach_the_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    default = scheduler_config(parser.parse_args([]), _info(8192))
+    assert (default.aging_period, default.priority_preemption_threshold) == (10.0, None)
+    args = parser.parse_args(["--scheduling-policy", "priority", "--aging-period", "2.5",
+                              "--priority-preemption-threshold", "3"])
+    config = scheduler_config(args, _info(8192))
+    assert (config.policy, config.aging_period, config.priority_preemption_threshold) == ("priority", 2.5, 3)
+    # a threshold without the priority policy is refused before the model loads
+    assert serve_main(["--priority-preemption-threshold", "3"]) == 2
+    assert "needs policy='priority'" in capsys.readouterr().err
+    for bad in (["--aging-period", "0"], ["--stream-stall-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    assert "must be > 0" in capsys.readouterr().err
+
+
+def test_help_explains_the_new_flags() -> None:
+    text = build_parser().format_help()
+    for flag, words in (("--aging-period", "priority level"), ("--priority-preemption-threshold", "preempts"),
+                        ("--stream-stall-timeout", "read")):
+        assert flag in text
+        assert words in " ".join(text.rsplit(flag, 1)[1].split()[:40])  # its help, not the usage line

@@ -121,12 +121,23 @@ def test_preempt_and_resume_keep_greedy_output(smol_runner: Any, plan_driver: An
 
 
 def test_swap_moves_exact_kv_bytes(smol_runner: Any) -> None:
+    """Block 3 gets a distinctive pattern and the target slots something else, so the test
+    passes only if the bytes moved (not because every block was still zero)."""
     cache = smol_runner.kv_cache
-    before = cache.device_cache[:, :, 3].clone()
-    cache.swap_out(((3, 7),))
-    assert torch.equal(cache.host_cache[:, :, 7], before)
-    cache.swap_in(((7, 11),))
-    assert torch.equal(cache.device_cache[:, :, 11], before)
+    saved = [t.clone() for t in (cache.device_cache[:, :, 3], cache.host_cache[:, :, 7], cache.device_cache[:, :, 11])]
+    try:
+        pattern = torch.randn(cache.device_cache[:, :, 3].shape, generator=torch.Generator().manual_seed(0))
+        cache.device_cache[:, :, 3] = pattern.to(cache.device_cache.dtype)
+        cache.host_cache[:, :, 7] = -1.0
+        cache.device_cache[:, :, 11] = -2.0
+        before = cache.device_cache[:, :, 3].clone()
+        assert before.abs().sum() > 0 and not torch.equal(cache.host_cache[:, :, 7], before)
+        cache.swap_out(((3, 7),))
+        assert torch.equal(cache.host_cache[:, :, 7], before)
+        cache.swap_in(((7, 11),))
+        assert torch.equal(cache.device_cache[:, :, 11], before)
+    finally:  # the runner is shared by the module's tests
+        cache.device_cache[:, :, 3], cache.host_cache[:, :, 7], cache.device_cache[:, :, 11] = saved
 
 
 def test_finish_preempt_abort_leave_no_stale_state(smol_runner: Any, plan_driver: Any, prompt_ids: list[list[int]]) -> None:

@@ -1,0 +1,19 @@
+"""Runner factories for the spawned worker in service tests ("standin_runners:NAME").
+
+They only choose options of the instant stand-in (`worker.instant_runner.InstantRunner`),
+so tests that use them keep working however the stand-in applies plans inside. The
+spawned worker finds this module because pytest puts tests/support on `sys.path` and a
+spawned child inherits its parent's path.
+"""
+
+from __future__ import annotations
+
+from worker.config import WorkerConfig
+from worker.instant_runner import InstantRunner
+
+EOS_AFTER = 5  # the fifth output token of every request is EOS
+
+
+def eos_after_5(config: WorkerConfig) -> InstantRunner:
+    """The stand-in whose every request samples EOS as its fifth output token."""
+    return InstantRunner(config, eos_after=EOS_AFTER)
