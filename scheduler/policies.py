@@ -4,6 +4,7 @@ is told about it. No state of their own; `Scheduler` applies the results."""
 
 from __future__ import annotations
 
+from scheduler import step_cost
 from scheduler.config import SchedulerConfig, VictimPolicy
 from scheduler.output import ModelRunnerOutput, RequestOutput
 from scheduler.request import Request, RequestStatus
@@ -17,10 +18,10 @@ def pick_victim(candidates: list[Request], policy: VictimPolicy) -> Request:
 
 
 def swap_is_cheaper(config: SchedulerConfig, num_tokens: int) -> bool:
-    """Swap out now and back in later vs recompute `num_tokens` of KV (preemption "auto")."""
-    swap = 2 * num_tokens * config.kv_bytes_per_token / config.swap_bandwidth
-    recompute = num_tokens * config.flops_per_token / config.compute_rate
-    return swap < recompute
+    """Swap out now and back in later vs recompute `num_tokens` of KV (preemption "auto"):
+    `step_cost.swap_is_cheaper` with the configured copy bandwidth and cost model."""
+    return step_cost.swap_is_cheaper(num_tokens, config.kv_bytes_per_token, config.swap_bandwidth,
+                                     config.recompute_cost)
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
