@@ -62,3 +62,5 @@ class WorkerInfo:
     kv_bytes_per_token: int
     num_params: int
     extra: dict[str, str] = field(default_factory=dict)
+    # bytes/s of one direction of a swap copy, measured at start-up (0: not measured)
+    copy_bandwidth: float = 0.0

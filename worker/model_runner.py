@@ -18,6 +18,7 @@ from scheduler.kv_manager import cdiv
 from scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from worker.attention import make_attention_backend
 from worker.config import WorkerConfig, WorkerInfo
+from worker.copy_probe import measure_copy_bandwidth
 from worker.input_batch import InputBatch, RequestState, StepInputs
 from worker.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
 from worker.loader import load_weights, resolve_model_path
@@ -137,6 +138,7 @@ class ModelRunner:
             num_cpu_blocks=self.kv_cache.num_host_blocks,
             kv_bytes_per_token=self.kv_cache.block_bytes // self.config.block_size,
             num_params=self.model.num_params,
+            copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 
     @property
