@@ -28,6 +28,7 @@ from scheduler.sampling import SamplingParams
 from scheduler.stats import SchedulerStats
 from service.detokenizer import Tokenizer
 from service.metrics import ServiceMetrics
+from service.step_time import StepTimeFeed
 from service.stream import (
     EngineDeadError,
     EngineOverloadedError,
@@ -57,7 +58,10 @@ class AsyncEngine:
         max_waiting_requests: int | None = None,
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        step_time: StepTimeFeed | None = None,
     ) -> None:
+        """`step_time` feeds every step's shape and measured time into the step-cost model
+        the scheduler was given (and exports predicted against measured)."""
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
@@ -65,6 +69,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.clock = clock
+        self.step_time = step_time
         self.dead = asyncio.Event()  # set when the worker died or a step failed
         self.error: str | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -244,6 +249,8 @@ class AsyncEngine:
             self.worker.submit(plan)
             stats = self.scheduler.stats()  # its step_* fields describe this plan
             in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
+            if self.step_time is not None:
+                self.step_time.on_plan(plan, stats)
             for new in plan.scheduled_new_reqs:
                 stream = self._streams.get(new.req_id)
                 if stream is not None and stream.first_scheduled_time is None:
@@ -268,6 +275,8 @@ class AsyncEngine:
                 del self._streams[out.req_id]
             stream.put(out, now)
         self._stats = self.scheduler.stats()
+        if self.step_time is not None:
+            self.step_time.on_output(step.plan, output, self._stats)
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
             if not step.plan.is_empty:
