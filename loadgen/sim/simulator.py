@@ -30,6 +30,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.step_fit import OnlineStepCost
 
 SIM_TOKEN_ID = 1  # every simulated output token; never a stop token (ignore_eos, no stop ids)
 
@@ -55,16 +56,20 @@ class Simulator:
     """Runs a workload through a fresh `Scheduler` on a virtual clock."""
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
-                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True) -> None:
+                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True,
+                 step_model: OnlineStepCost | None = None) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
-        in step N+2. Off: each plan is made after the previous output (one in flight)."""
+        in step N+2. Off: each plan is made after the previous output (one in flight).
+        `step_model`: the online step-cost model the config's scheduler calls; each step's
+        simulated time refits it, as the engine refits it from measured times."""
         self.overlap = overlap
         self.config = config
         self.cost_model = cost_model
         self.limits = limits or SimLimits()
         self.record_timeline = record_timeline
         self.check_integrity = check_integrity
+        self.step_model = step_model
 
     def run(self, workload: list[WorkloadRequest]) -> SimResult:
         return _Run(self, workload).run()
@@ -122,6 +127,8 @@ class _Run:
             plan = self.sched.schedule(self.now)
         batch, sampled = self.batch_of(plan)
         seconds = self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
+        if seconds and self.sim.step_model is not None:
+            self.sim.step_model.observe(batch, seconds)
         stats = self.sched.stats()
         self.now += seconds
         self.steps += 1
