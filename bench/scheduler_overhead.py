@@ -5,6 +5,8 @@ prefill on), with prefix caching off and on. Prints JSON.
 `--max-step-ms T` turns the time budget on, priced by the online step-cost model the server
 uses (seeded with "measured" times of 20 ms a step + 1 ms per request and per token, so at
 256 running a new prompt's chunk is cut, and at 1024 the decodes alone are over 600 ms).
+The model is switched on after the warm-up: with decodes over the target from the start,
+the initial burst would prefill one block a step.
 
 Steady state is measured: every request is decoding (prompts prefilled first), and a
 stream of new arrivals keeps a chunked prefill in most steps, as in a loaded server.
@@ -36,20 +38,24 @@ def _step(sched: Scheduler) -> int:
     return plan.num_reqs
 
 
-def _model() -> OnlineStepCost:
-    def measured(b: BatchShape) -> float:
-        return 0.02 + 1e-3 * b.num_reqs + 1e-3 * b.num_tokens
+class _Cost:
+    """The online model, free (0 s) until switched on."""
 
-    model = OnlineStepCost()
-    for step in calibration_steps(16, 1 << 20, 1 << 20, 32000)[1:]:
-        model.seed(step.shape, measured(step.shape))
-    return model
+    def __init__(self) -> None:
+        self.model = OnlineStepCost()
+        for step in calibration_steps(16, 1 << 20, 1 << 20, 32000)[1:]:
+            self.model.seed(step.shape, 0.02 + 1e-3 * step.shape.num_reqs + 1e-3 * step.shape.num_tokens)
+        self.on = False
+
+    def __call__(self, batch: BatchShape) -> float:
+        return self.model.predict(batch) if self.on else 0.0
 
 
 def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int = 128,
             max_step_ms: float = 0.0) -> dict[str, float]:
+    cost = _Cost()
     cfg = SchedulerConfig(
-        step_time_target=max_step_ms / 1e3, step_cost=_model() if max_step_ms else None,
+        step_time_target=max_step_ms / 1e3, step_cost=cost if max_step_ms else None,
         max_num_batched_tokens=8192, max_num_seqs=num_running + 64, max_model_len=200_000,
         block_size=16, num_gpu_blocks=num_running * (prompt_len + steps + 64) // 16 + 4096,
         enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,
@@ -60,6 +66,7 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
         sched.add_request(_request(i, prompt_len, shared))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or len(sched.waiting):
         _step(sched)
+    cost.on = True
     per_call: list[float] = []
     per_req: list[float] = []
     next_id = num_running
