@@ -2,6 +2,12 @@
 scheduled request, at 256 and 1024 running requests (block 16, budget 8192, chunked
 prefill on), with prefix caching off and on. Prints JSON.
 
+`--max-step-ms T` turns the time budget on, priced by the online step-cost model the server
+uses (seeded with "measured" times of 20 ms a step + 1 ms per request and per token, so at
+256 running a new prompt's chunk is cut, and at 1024 the decodes alone are over 600 ms).
+The model is switched on after the warm-up: with decodes over the target from the start,
+the initial burst would prefill one block a step.
+
 Steady state is measured: every request is decoding (prompts prefilled first), and a
 stream of new arrivals keeps a chunked prefill in most steps, as in a loaded server.
 """
@@ -14,6 +20,9 @@ import statistics
 import time
 
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.step_calibration import calibration_steps
+from scheduler.step_cost import BatchShape
+from scheduler.step_fit import OnlineStepCost
 
 
 def _request(i: int, prompt_len: int, shared_prefix: int) -> Request:
@@ -29,8 +38,24 @@ def _step(sched: Scheduler) -> int:
     return plan.num_reqs
 
 
-def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int = 128) -> dict[str, float]:
+class _Cost:
+    """The online model, free (0 s) until switched on."""
+
+    def __init__(self) -> None:
+        self.model = OnlineStepCost()
+        for step in calibration_steps(16, 1 << 20, 1 << 20, 32000)[1:]:
+            self.model.seed(step.shape, 0.02 + 1e-3 * step.shape.num_reqs + 1e-3 * step.shape.num_tokens)
+        self.on = False
+
+    def __call__(self, batch: BatchShape) -> float:
+        return self.model.predict(batch) if self.on else 0.0
+
+
+def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int = 128,
+            max_step_ms: float = 0.0) -> dict[str, float]:
+    cost = _Cost()
     cfg = SchedulerConfig(
+        step_time_target=max_step_ms / 1e3, step_cost=cost if max_step_ms else None,
         max_num_batched_tokens=8192, max_num_seqs=num_running + 64, max_model_len=200_000,
         block_size=16, num_gpu_blocks=num_running * (prompt_len + steps + 64) // 16 + 4096,
         enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,
@@ -41,6 +66,7 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
         sched.add_request(_request(i, prompt_len, shared))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or len(sched.waiting):
         _step(sched)
+    cost.on = True
     per_call: list[float] = []
     per_req: list[float] = []
     next_id = num_running
@@ -58,6 +84,7 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
     return {
         "running": num_running,
         "prefix_caching": prefix_caching,
+        "max_step_ms": max_step_ms,
         "steps": steps,
         "mean_us_per_step": statistics.fmean(per_call),
         "p99_us_per_step": per_call[int(0.99 * (len(per_call) - 1))],
@@ -69,8 +96,12 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--running", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--max-step-ms", type=float, nargs="+", default=[0.0],
+                    help="one run per value (0: time budget off), e.g. 0 600 for the side-by-side ratio")
     args = ap.parse_args(argv)
-    results = [measure(n, pc, args.steps) for n in (256, 1024) for pc in (False, True)]
+    results = [measure(n, pc, args.steps, max_step_ms=t) for n in args.running for pc in (False, True)
+               for t in args.max_step_ms]
     print(json.dumps({"benchmark": "scheduler_overhead", "results": results}, indent=2))
 
 

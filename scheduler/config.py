@@ -6,8 +6,10 @@ Names follow `vllm serve` flags where the concept is the same. Invalid combinati
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from scheduler.step_cost import StepCostFn, flop_rate_cost
 
 Policy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
@@ -19,6 +21,8 @@ PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 
 DEFAULT_TOKEN_BUDGET = 2048
+# `--max-step-ms` of the server and the simulator (see docs/step_budget.md for how it was chosen).
+DEFAULT_MAX_STEP_MS = 600.0
 
 
 def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
@@ -54,11 +58,18 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, share weight); others weigh 1
     enable_prefix_caching: bool = False
     priority_preemption_threshold: int | None = None  # None: waiting requests never preempt running ones
-    # Cost model for preemption_mode="auto" (defaults: a Llama-3.1-8B-shaped model on an A100).
+    # preemption_mode="auto" prices a swap at swap_bandwidth (the server passes the worker's
+    # measured copy bandwidth) and a recompute with step_cost, or without one, dense FLOPs
+    # at compute_rate (defaults: a Llama-3.1-8B-shaped model on an A100).
     kv_bytes_per_token: int = 131072
     flops_per_token: float = 16e9
     swap_bandwidth: float = 16e9  # bytes/s over the host link, one direction
     compute_rate: float = 312e12  # FLOP/s
+    # The time budget: while any request decodes, prefill chunks shrink so that
+    # step_cost(step) <= step_time_target (seconds; 0: off, chunks are sized by tokens
+    # alone). Needs chunked prefill. step_cost also prices recompute under "auto".
+    step_time_target: float = 0.0
+    step_cost: StepCostFn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_gpu_blocks")
@@ -94,6 +105,21 @@ class SchedulerConfig:
         for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self._check_time_budget()
+
+    def _check_time_budget(self) -> None:
+        if not self.step_time_target >= 0:  # also rejects NaN
+            raise ValueError(f"step_time_target must be >= 0 seconds, got {self.step_time_target}")
+        if self.step_time_target > 0 and self.step_cost is None:
+            raise ValueError("step_time_target needs step_cost (a function from a step's shape to seconds)")
+        if self.step_time_target > 0 and not self.enable_chunked_prefill:
+            raise ValueError("step_time_target needs enable_chunked_prefill=True: it sizes prefill chunks")
+
+    @property
+    def recompute_cost(self) -> StepCostFn:
+        """What prices a recompute under preemption_mode="auto": the step-cost model when
+        there is one, else dense FLOPs at `compute_rate`."""
+        return self.step_cost or flop_rate_cost(self.flops_per_token, self.compute_rate)
 
     def _check_policy_fields(self) -> None:
         if self.output_len_predictor not in PREDICTORS:

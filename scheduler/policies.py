@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scheduler import step_cost
 from scheduler.config import SchedulerConfig, VictimPolicy
 from scheduler.output import ModelRunnerOutput, RequestOutput
 from scheduler.predictor import remaining_work
@@ -50,10 +51,10 @@ def pick_victim(
 
 
 def swap_is_cheaper(config: SchedulerConfig, num_tokens: int) -> bool:
-    """Swap out now and back in later vs recompute `num_tokens` of KV (preemption "auto")."""
-    swap = 2 * num_tokens * config.kv_bytes_per_token / config.swap_bandwidth
-    recompute = num_tokens * config.flops_per_token / config.compute_rate
-    return swap < recompute
+    """Swap out now and back in later vs recompute `num_tokens` of KV (preemption "auto"):
+    `step_cost.swap_is_cheaper` with the configured copy bandwidth and cost model."""
+    return step_cost.swap_is_cheaper(num_tokens, config.kv_bytes_per_token, config.swap_bandwidth,
+                                     config.recompute_cost)
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -9,6 +9,10 @@ Each `schedule()` call plans one step, in two phases:
    admitted head-of-line in the queue policy's order (`queues.make_waiting_queue`),
    counting prefix-cache hits as already computed.
 
+With a step-time target (`SchedulerConfig.step_time_target`), phase 1 schedules every decode
+before any prefill chunk, and `TimeBudget` sizes each chunk so that the step's predicted
+time stays within the target while requests decode (scheduler/time_budget.py).
+
 Plans are published before the previous plan's output is applied (two in flight): a request
 that will sample counts a *placeholder* token until `update_from_output` delivers it.
 """
@@ -28,6 +32,8 @@ from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step import Preemption, StepBuilder
+from scheduler.step_cost import BatchShape
+from scheduler.time_budget import TimeBudget
 
 
 class Scheduler:
@@ -53,6 +59,9 @@ class Scheduler:
         self.num_recompute_tokens = 0  # computed tokens whose KV recompute preemptions dropped
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
+        self._last_shape = BatchShape()  # the last plan's, for the step-cost model
+        self._time = (TimeBudget(config.step_time_target, config.step_cost, config.block_size)  # type: ignore[arg-type]
+                      if config.step_time_target > 0 else None)
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,6 +106,8 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = self._now(now)
         step = StepBuilder(next(self._step_ids), self.config.max_num_batched_tokens)
+        if self._time is not None:
+            self._time.begin_step()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step, now)
@@ -127,30 +138,58 @@ class Scheduler:
         return n if n == 1 else self._chunk(n, budget)
 
     def _schedule_running(self, step: StepBuilder) -> None:
+        deferred: list[Request] = []  # prefills under the time budget: sized after every decode
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             n = self._tokens_for(req, step.budget)
+            if n > 1 and self._time is not None:
+                deferred.append(req)
+                n = 0
             if n == 0:
                 i += 1
                 continue
-            while True:
-                new = self.kv.allocate_slots(req, n)
-                if new is not None:
-                    step.add(req, n, new)
-                    i += 1
-                    break
-                victim = pick_victim(self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by)
-                if self.running.index(victim) < i:
-                    i -= 1
-                self._preempt(victim, step, "kv", req.request_id)
-                if victim is req:
-                    break
+            scheduled, shift = self._fit(req, n, step, i)
+            i += int(scheduled) - shift
+        if deferred:
+            self._schedule_deferred(step, deferred)
+
+    def _schedule_deferred(self, step: StepBuilder, prefills: list[Request]) -> None:
+        """Running prefills under the time budget, once the step holds every decode."""
+        for req in prefills:
+            if step.budget <= 0:
+                return
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted by an earlier request of this step
+            n = self._tokens_for(req, step.budget)
+            n = self._time.chunk(step, req.num_computed_tokens, n, req.num_tokens + req.num_placeholders) if n else 0  # type: ignore[union-attr]
+            if n:
+                self._fit(req, n, step, 0)
+
+    def _fit(self, req: Request, n: int, step: StepBuilder, position: int) -> tuple[bool, int]:
+        """Schedule `n` tokens of running `req`, preempting victims until its blocks fit.
+        Returns whether it was scheduled (it may be the victim itself) and how many of the
+        preempted requests stood before `position` in the running list."""
+        shift = 0
+        while True:
+            new = self.kv.allocate_slots(req, n)
+            if new is not None:
+                step.add(req, n, new)
+                return True, shift
+            victim = pick_victim(self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by)
+            if self.running.index(victim) < position - shift:
+                shift += 1
+            self._preempt(victim, step, "kv", req.request_id)
+            if victim is req:
+                return False, shift
 
     def _schedule_swapped(self, step: StepBuilder, now: float) -> None:
         while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = min(self.swapped, key=lambda r: self._urgency(r, now))
             n = self._tokens_for(req, step.budget) if req.num_placeholders == 0 else 0
+            if n and self._time is not None:
+                n = self._time.admit(step, req.num_computed_tokens, n, req.num_tokens,
+                                     len(self.kv.host_blocks[req.request_id]))
             res = self.kv.swap_in(req, n) if n else None
             if res is None:
                 return
@@ -172,6 +211,8 @@ class Scheduler:
                 return  # tokens still in flight, or just preempted: strict head-of-line
             hits = self.kv.find_cached_prefix(req)
             n = self._chunk(req.num_tokens - len(hits) * self.config.block_size, step.budget)
+            if n and self._time is not None:
+                n = self._time.admit(step, len(hits) * self.config.block_size, n, req.num_tokens)
             new = self.kv.allocate_slots(req, n, hits) if n else None
             if new is None:
                 if n and self._preempt_for_priority(req, step, now):
@@ -204,17 +245,24 @@ class Scheduler:
         """Advance the requests by what the frozen plan computes."""
         sampling: list[str] = []
         prefill = decode = 0
+        kv_read = pairs = decodes = decode_kv = 0  # the step's shape (decodes: one token, sampled)
         for rid, (req, n) in step.scheduled.items():
+            ctx = req.num_computed_tokens
             if n == 1 and req.num_output_tokens + req.num_placeholders > 0:
                 decode += 1
             else:
                 prefill += n
-            samples = req.num_computed_tokens + n == req.num_tokens + req.num_placeholders
+            kv_read += ctx + n
+            pairs += n * ctx + n * (n + 1) // 2
+            samples = ctx + n == req.num_tokens + req.num_placeholders
             if samples:
                 req.num_placeholders += 1
                 sampling.append(rid)
-            self.service.charge(req, req.num_computed_tokens + n, samples)
-            req.num_computed_tokens += n
+                if n == 1:
+                    decodes += 1
+                    decode_kv += ctx + 1
+            self.service.charge(req, ctx + n, samples)
+            req.num_computed_tokens = ctx + n
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self._known_to_worker.add(rid)
@@ -222,6 +270,10 @@ class Scheduler:
         if sampling:  # an empty plan may be dropped unsent; it must leave nothing behind
             self._expect_sample[step.step_id] = sampling
         self._last_step = (len(step.scheduled), prefill, decode)
+        self._last_shape = BatchShape(len(step.scheduled), prefill + decode - decodes, decodes, len(sampling),
+                                      pairs, kv_read, len(step.swap_in) + len(step.swap_out))
+        if self._time is not None and decodes:
+            self._time.count_decodes(decodes, decode_kv)
 
     # ---- preemption ---------------------------------------------------------------------
     def _urgency(self, req: Request, now: float) -> tuple[float, float]:
@@ -337,6 +389,9 @@ class Scheduler:
             num_recompute_tokens=self.num_recompute_tokens,
             output_len_predictions_scored=self.predictor.error.count,
             output_len_prediction_abs_error=self.predictor.error.abs_sum,
+            step_shape=self._last_shape,
+            num_time_capped_chunks=self._time.num_capped if self._time else 0,
+            num_decode_over_target=self._time.num_decode_over_target if self._time else 0,
         )
 
     def check_integrity(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.step_cost import BatchShape
+
 
 @dataclass(frozen=True)
 class SchedulerStats:
@@ -24,6 +26,10 @@ class SchedulerStats:
     step_num_reqs: int = 0
     step_prefill_tokens: int = 0
     step_decode_tokens: int = 0
+    step_shape: BatchShape | None = None  # what the step-cost model reads (not to be mutated)
+    # The time budget (cumulative):
+    num_time_capped_chunks: int = 0  # prefill chunks it shortened
+    num_decode_over_target: int = 0  # steps whose decodes alone were predicted over the target
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import Request
+from scheduler.step_cost import BatchShape
 
 
 class Preemption(NamedTuple):
@@ -37,11 +38,16 @@ class StepBuilder:
     preemptions: list[Preemption] = field(default_factory=list)  # in order, with their causes
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # What is scheduled so far, kept only once the time budget has asked (None: not tracked)
+    shape: BatchShape | None = None
 
     def add(self, req: Request, n: int, new_blocks: list[int]) -> None:
         self.scheduled[req.request_id] = (req, n)
         self.new_block_ids.setdefault(req.request_id, []).extend(new_blocks)
         self.budget -= n
+        if self.shape is not None:
+            ctx = req.num_computed_tokens
+            self.shape.add(n, ctx, ctx + n == req.num_tokens + req.num_placeholders)
 
     def unschedule(self, req: Request) -> None:
         """Take a request back out of this step (it is being preempted)."""
@@ -51,6 +57,7 @@ class StepBuilder:
             self.budget += entry[1]
         self.new_block_ids.pop(rid, None)
         self.resumed.discard(rid)
+        self.shape = None  # rebuilt from `scheduled` when next needed
 
     def build(
         self, block_table: dict[str, list[int]], finished: set[str], aborted: set[str]

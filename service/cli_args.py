@@ -8,7 +8,13 @@ from __future__ import annotations
 import argparse
 import re
 
-from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES, SchedulerConfig
+from scheduler.config import (
+    DEFAULT_MAX_STEP_MS,
+    POLICIES,
+    PREDICTORS,
+    VICTIM_POLICIES,
+    SchedulerConfig,
+)
 from scheduler.fairness import parse_tenant_weights
 from service.state import DEFAULT_MAX_BODY_SIZE
 
@@ -40,6 +46,13 @@ def _positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
     if not number > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    return number
+
+
+def _non_negative(value: str) -> float:
+    number = float(value)
+    if not number >= 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
     return number
 
 
@@ -94,6 +107,11 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default 2048; with chunked prefill off, at least the max model length)")
+    g.add_argument("--max-step-ms", type=_non_negative, default=DEFAULT_MAX_STEP_MS,
+                   help="time budget of one step: while requests decode, prefill chunks shrink so that the step's "
+                        "predicted time (a cost model fitted online to measured steps) stays within this many ms; "
+                        "with nothing decoding, prefill keeps the whole token budget. 0: off, chunks sized by "
+                        "--max-num-batched-tokens alone. Off with --no-enable-chunked-prefill. (default %(default)g)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in the running batch (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, capped at 8192 and at the KV cache)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts across steps (default on)")

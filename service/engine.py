@@ -32,6 +32,7 @@ from service.detokenizer import Tokenizer, TokenTexts
 from service.metrics import ServiceMetrics
 from service.output_processor import OutputProcessor
 from service.step_records import StepRecordHub
+from service.step_time import StepTimeFeed
 from service.stream import (
     DEFAULT_MAX_BUFFERED_TOKENS,
     EngineDeadError,
@@ -64,7 +65,10 @@ class AsyncEngine:
         metrics: ServiceMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
+        step_time: StepTimeFeed | None = None,
     ) -> None:
+        """`step_time` feeds every step's shape and measured time into the step-cost model
+        the scheduler was given (and exports predicted against measured)."""
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
@@ -73,6 +77,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.clock = clock
+        self.step_time = step_time
         self.dead = asyncio.Event()  # set when the worker died or a step failed
         self.error: str | None = None
         self.output = OutputProcessor(tokenizer, metrics, max_buffered_tokens)
@@ -84,6 +89,9 @@ class AsyncEngine:
         self._stats: SchedulerStats = scheduler.stats()
         self._last_output_time = clock()
         self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
+        if step_time is not None:
+            self.step_records.set_predictor(step_time.predicted)
+            self.step_records.time_target_ms = step_time.target * 1e3 if step_time.target > 0 else None
 
     # -- handler side ----------------------------------------------------------------------
 
@@ -244,6 +252,8 @@ class AsyncEngine:
             self.worker.submit(plan)
             stats = self.scheduler.stats()  # its step_* fields describe this plan
             in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
+            if self.step_time is not None:
+                self.step_time.on_plan(plan, stats)
             self.step_records.on_plan(plan, now)
             for new in plan.scheduled_new_reqs:
                 self.output.mark_scheduled(new.req_id, now)
@@ -266,6 +276,8 @@ class AsyncEngine:
             self.scheduler.abort(req_id)
         self.step_records.on_output(step.plan, output, outputs, now)
         self._stats = self.scheduler.stats()
+        if self.step_time is not None:
+            self.step_time.on_output(step.plan, output, self._stats)
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
             if not step.plan.is_empty:

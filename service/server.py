@@ -17,11 +17,13 @@ from aiohttp import web
 
 from scheduler.config import SchedulerConfig, token_budget
 from scheduler.scheduler import Scheduler
+from scheduler.step_cost import StepCostFn
 from service.app import create_app
 from service.cli_args import build_parser, kv_cache_bytes, policy_fields
 from service.engine import AsyncEngine
 from service.metrics import ServiceMetrics
 from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState, Status
+from service.step_time import StepTimeFeed, calibrate, new_model
 from worker.config import WorkerConfig, WorkerInfo
 
 log = logging.getLogger("stepserve.server")
@@ -54,8 +56,9 @@ def _token_budget(args: argparse.Namespace, max_model_len: int) -> int:
     return token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
 
 
-def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerConfig:
-    """The one place the scheduler's config is built: flags plus the worker's handshake."""
+def scheduler_config(args: argparse.Namespace, info: WorkerInfo, step_cost: StepCostFn | None = None) -> SchedulerConfig:
+    """The one place the scheduler's config is built: flags plus the worker's handshake
+    (and its measured step-cost model and copy bandwidth, when there is one)."""
     a = vars(args)
     pool_tokens = info.num_gpu_blocks * info.block_size
     max_model_len = info.max_model_len
@@ -78,8 +81,16 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo) -> SchedulerCon
         priority_preemption_threshold=a["priority_preemption_threshold"],
         kv_bytes_per_token=info.kv_bytes_per_token,
         **policy_fields(a),
+        step_time_target=step_time_target(args) if step_cost is not None else 0.0,
+        step_cost=step_cost,
+        **({"swap_bandwidth": info.copy_bandwidth} if info.copy_bandwidth > 0 else {}),
     )
     return config
+
+
+def step_time_target(args: argparse.Namespace) -> float:
+    """--max-step-ms in seconds; 0 without chunked prefill (the budget sizes chunks)."""
+    return args.max_step_ms / 1e3 if args.enable_chunked_prefill else 0.0
 
 
 def engine_factory(args: argparse.Namespace) -> EngineFactory:
@@ -95,20 +106,27 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
         tokenizer_future = loop.run_in_executor(None, load_tokenizer, a["model"])
         try:
             info, tokenizer = await asyncio.gather(worker.start(), tokenizer_future)
-            sched_config = scheduler_config(args, info)
+            step_model = new_model(info)
+            await calibrate(worker, info, step_model)
+            sched_config = scheduler_config(args, info, step_model)
         except BaseException:
             await worker.shutdown()
             raise
         name = a["served_model_name"] or info.model_name
+        metrics = ServiceMetrics(name)
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
             tokenizer,
             eos_token_ids=info.eos_token_ids,
             max_waiting_requests=a["max_waiting_requests"],
-            metrics=ServiceMetrics(name),
+            metrics=metrics,
+            step_time=StepTimeFeed(step_model, sched_config.step_time_target, metrics),
         )
         log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", info.model_name, info.device, info.dtype, info.num_gpu_blocks, info.block_size)
+        log.info("step budget: %d tokens, %s; swap copies at %.1f GB/s", sched_config.max_num_batched_tokens,
+                 f"{sched_config.step_time_target * 1e3:g} ms" if sched_config.step_time_target else "no time target",
+                 info.copy_bandwidth / 1e9)
         return LoadedEngine(engine, name, sched_config.max_model_len, info.vocab_size, info.model_path)
 
     return build

@@ -77,3 +77,5 @@ class WorkerInfo:
     num_threads: int = 1
     weight_bytes: int = 0  # bytes of weights one step reads
     extra: dict[str, str] = field(default_factory=dict)  # the start-up probe's measurements
+    # bytes/s of one direction of a swap copy, measured at start-up (0: not measured)
+    copy_bandwidth: float = 0.0

@@ -18,6 +18,7 @@ from scheduler.kv_manager import cdiv
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from worker.attention import StepAttention, make_attention_backend
 from worker.config import WorkerConfig, WorkerInfo
+from worker.copy_probe import measure_copy_bandwidth
 from worker.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.kernel_probe import KernelChoice, choose_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
@@ -178,6 +179,7 @@ class ModelRunner:
             num_threads=torch.get_num_threads(),
             weight_bytes=self.model.weight_bytes,
             extra={k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
+            copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 
     @property

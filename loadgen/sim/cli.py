@@ -2,7 +2,7 @@
 
     stepserve simulate [run flags]                  one run (--strategy continuous|static|padding|all)
     stepserve simulate compare [run flags]          the three strategies side by side
-    stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len
+    stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len|step-time
     stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
     stepserve simulate calibrate --from bench_output.json [--out profile.json]
     stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
@@ -34,7 +34,7 @@ from loadgen.sim.setup import (
     run_config,
     run_strategy,
 )
-from loadgen.sim.sweep import PRESETS, format_rows, sweep
+from loadgen.sim.sweep import PRESETS, companion_rows, format_rows, sweep
 from loadgen.sim.timeline import timeline_run, write_timeline
 
 COMPARE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
@@ -136,13 +136,26 @@ def cmd_sweep(argv: list[str]) -> int:
     if args.plot:
         require_plots()
     rows = sweep(args, name, values)
+    companion = companion_rows(args, preset) if preset and preset.companion else None
+    title = f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}"
     if args.plot:
-        from loadgen.sim.plots import plot_sweep
+        from loadgen.sim.plots import plot_budget_vs_target, plot_sweep
 
-        plot_sweep(rows, name, args.plot, f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}")
-    print(_dump(rows) if args.json else format_rows(rows, name))
+        if companion is not None:
+            plot_budget_vs_target(companion, rows, args.plot, title)
+        else:
+            plot_sweep(rows, name, args.plot, title)
+    out: dict[str, Any] = {"config": run_config(args), "param": name, "rows": rows}
+    if companion is not None:
+        out["companion"] = {"param": preset.companion[0], "max_step_ms": 0, "rows": companion}  # type: ignore[union-attr]
+    if args.json:
+        print(_dump(out if companion is not None else rows))
+    else:
+        print(format_rows(rows, name))
+        if companion is not None:
+            print(f"\nwith --max-step-ms 0:\n{format_rows(companion, preset.companion[0])}")  # type: ignore[union-attr]
     if args.result_json:
-        Path(args.result_json).write_text(_dump({"config": run_config(args), "param": name, "rows": rows}))
+        Path(args.result_json).write_text(_dump(out))
     return 0
 
 

@@ -21,6 +21,10 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+# The step's shape and the overhead terms are the scheduler's (its online step-cost fit reads
+# the same ones); re-exported here, where the simulator's callers have always found them.
+from scheduler.step_cost import BatchShape, overhead_terms, swap_time
+
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -226,44 +230,6 @@ def get_hardware(name_or_path: str) -> HardwareProfile:
                      "or a path to a calibrated profile JSON")
 
 
-@dataclass
-class BatchShape:
-    """Aggregates of one step over the requests it computes; build with `add`."""
-
-    num_reqs: int = 0
-    num_prefill_tokens: int = 0  # tokens of chunks that do not end in a single decode
-    num_decode_tokens: int = 0
-    num_sampled: int = 0  # positions that go through the LM head
-    attention_pairs: int = 0  # (query, key) pairs over all requests, causal
-    kv_tokens_read: int = 0  # context each request's attention reads, new tokens included
-    swap_blocks: int = 0  # blocks copied over the host link (out + in)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    def add(self, num_tokens: int, context: int, samples: bool = True, count: int = 1) -> None:
-        """Add `count` requests computing `num_tokens` after `context` tokens of valid KV."""
-        if num_tokens < 1:
-            return
-        self.num_reqs += count
-        if num_tokens == 1 and samples:
-            self.num_decode_tokens += count
-        else:
-            self.num_prefill_tokens += num_tokens * count
-        self.num_sampled += count if samples else 0
-        # query i (0-based) attends to context + i + 1 keys
-        self.attention_pairs += count * (num_tokens * context + num_tokens * (num_tokens + 1) // 2)
-        self.kv_tokens_read += count * (context + num_tokens)
-
-
-def overhead_terms(batch: BatchShape) -> tuple[float, ...]:
-    """What each of the profile's `OVERHEADS` is paid per: the step, its requests, the KV
-    tokens they read, and whether it computes more than one token. Calibration fits the
-    overheads as coefficients of these same terms."""
-    return (1.0, float(batch.num_reqs), float(batch.kv_tokens_read), float(batch.num_tokens > 1))
-
-
 @dataclass(frozen=True)
 class StepCost:
     """What one step costs, and which roof bounds it."""
@@ -323,4 +289,4 @@ class CostModel:
 
     def swap_time(self, num_tokens: int) -> float:
         """Copy a request's KV out to the host and back in (both directions)."""
-        return 2 * num_tokens * self.shape.kv_bytes_per_token / self.hardware.host_bandwidth
+        return swap_time(num_tokens, self.shape.kv_bytes_per_token, self.hardware.host_bandwidth)

@@ -1,5 +1,5 @@
-"""PNG plots of simulated runs (matplotlib, Agg backend): a run's per-step timeline and a
-sweep's curves."""
+"""PNG plots of simulated runs (matplotlib, Agg backend): a run's per-step timeline, a
+sweep's curves, and a step-time sweep next to a token-budget sweep."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from loadgen.sim.result import TimelinePoint  # noqa: E402
+from scheduler.config import DEFAULT_MAX_STEP_MS  # noqa: E402
 
 
 def plot_timeline(points: list[TimelinePoint], path: str | Path, title: str = "") -> None:
@@ -74,6 +75,34 @@ def plot_sweep(rows: list[dict[str, Any]], param: str, path: str | Path, title: 
             ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title or f"sweep over {param}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+_PANELS = (("ITL p99 (ms)", "p99_itl_ms", 1.0), ("TTFT p50 (s)", "median_ttft_ms", 1e-3),
+           ("throughput (total tok/s)", "total_token_throughput", 1.0))
+
+
+def plot_budget_vs_target(budget_rows: list[dict[str, Any]], target_rows: list[dict[str, Any]],
+                          path: str | Path, title: str = "") -> None:
+    """ITL p99, TTFT p50 and throughput: against the token budget (time target off, left)
+    and against the step-time target (right), on shared y axes."""
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharey="row")
+    columns = ((budget_rows, "--max-num-batched-tokens (--max-step-ms 0)"), (target_rows, "--max-step-ms"))
+    for row, (label, key, scale) in enumerate(_PANELS):
+        for col, (rows, xlabel) in enumerate(columns):
+            ax = axes[row][col]
+            ax.plot([float(r["value"]) for r in rows], [r[key] * scale for r in rows], marker="o")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[row][1].axvline(DEFAULT_MAX_STEP_MS, color="tab:gray", linestyle="--", label="default")
+        top = max(r[key] * scale for rows, _ in columns for r in rows)
+        axes[row][0].set_ylim(0, max(top * 1.1, 1e-9))
+    axes[0][1].legend()
+    fig.suptitle(title or "token budget vs step-time target")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -22,10 +22,19 @@ from loadgen.sim.cost_model import (
 )
 from loadgen.sim.result import SimResult
 from loadgen.sim.simulator import SimLimits, Simulator
+from loadgen.sim.step_budget import seeded_model
 from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
-from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES, SchedulerConfig, token_budget
+from scheduler.config import (
+    DEFAULT_MAX_STEP_MS,
+    POLICIES,
+    PREDICTORS,
+    VICTIM_POLICIES,
+    SchedulerConfig,
+    token_budget,
+)
 from scheduler.fairness import parse_tenant_weights
+from scheduler.step_fit import OnlineStepCost
 
 STRATEGIES = ("continuous", "static", "padding")
 
@@ -45,6 +54,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("scheduler (vllm serve names)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"default {d.max_num_batched_tokens}; with chunked prefill off, at least the max model length")
+    g.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS,
+                   help="step-time target while requests decode, against the online step-cost model "
+                        "(as `stepserve serve`); 0: off (default %(default)g)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt+output")
     g.add_argument("--block-size", type=int, default=d.block_size)
@@ -99,7 +111,9 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
 
 
 def scheduler_config_from_args(args: argparse.Namespace, workload: list[WorkloadRequest],
-                               cm: CostModel) -> SchedulerConfig:
+                               cm: CostModel, step_model: OnlineStepCost | None = None) -> SchedulerConfig:
+    """`step_model` (default: a fresh seeded one) prices steps for the time budget and
+    recomputes for "auto" preemption; the simulator must feed it every step."""
     longest = max((w.prompt_len + (w.max_tokens or w.output_len) for w in workload), default=1)
     cpu_blocks = args.num_cpu_blocks
     if cpu_blocks is None:
@@ -125,6 +139,8 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
         flops_per_token=float(cm.shape.dense_flops_per_token),
         swap_bandwidth=cm.hardware.host_bandwidth,
         compute_rate=cm.hardware.peak_flops,
+        step_time_target=args.max_step_ms / 1e3 if args.enable_chunked_prefill else 0.0,
+        step_cost=step_model or seeded_model(cm),
     )
     overrides = getattr(args, "config_overrides", None)  # fields without a flag (set by sweeps)
     return dataclasses.replace(config, **overrides) if overrides else config
@@ -143,9 +159,12 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
     keeps every step as a dashboard record (`--timeline-json`)."""
     cm = cost_model_from_args(args)
     if strategy == "continuous":
-        config = scheduler_config_from_args(args, workload, cm)
+        model = seeded_model(cm)
+        config = scheduler_config_from_args(args, workload, cm, model)
         limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
-        return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps).run(workload)
+        used = config.step_time_target > 0 or config.preemption_mode == "auto"  # else: spare the refits
+        return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps,
+                         step_model=model if used else None).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding
     return run(workload, cm, fixed_batch_config(args), record_timeline=timeline, record_steps=record_steps)
 
@@ -153,7 +172,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The flags worth recording next to a result."""
     keep = ("num_prompts", "request_rate", "burstiness", "seed", "dataset", "model_shape", "hardware",
-            "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+            "dtype", "max_num_batched_tokens", "max_step_ms", "max_num_seqs", "max_model_len", "block_size",
             "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "preemption_mode",
             "scheduling_policy", "victim_policy", "output_len_predictor", "sjf_aging_rate",
             "tenant_weights", "enable_prefix_caching", "batch_size", "batch_timeout")

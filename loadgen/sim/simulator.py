@@ -42,6 +42,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.step_fit import OnlineStepCost
 from scheduler.step_records import Record, StepRecorder, scheduler_hello
 
 SIM_TOKEN_ID = 1  # every simulated output token but a request's EOS
@@ -74,10 +75,13 @@ class Simulator:
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
                  record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True,
-                 record_service: bool = False, record_steps: bool = False) -> None:
+                 record_service: bool = False, record_steps: bool = False,
+                 step_model: OnlineStepCost | None = None) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
-        in step N+2. Off: each plan is made after the previous output (one in flight)."""
+        in step N+2. Off: each plan is made after the previous output (one in flight).
+        `step_model`: the online step-cost model the config's scheduler calls; each step's
+        simulated time refits it, as the engine refits it from measured times."""
         self.overlap = overlap
         self.config = config
         self.cost_model = cost_model
@@ -86,6 +90,7 @@ class Simulator:
         self.record_service = record_service  # per-step service per tenant (fairness metrics)
         self.check_integrity = check_integrity
         self.record_steps = record_steps  # step records for a timeline file (loadgen.sim.timeline)
+        self.step_model = step_model
 
     def run(self, workload: list[WorkloadRequest]) -> SimResult:
         return _Run(self, workload).run()
@@ -155,6 +160,8 @@ class _Run:
             plan = self.schedule()
         batch, sampled = self.batch_of(plan)
         seconds = self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
+        if seconds and self.sim.step_model is not None:
+            self.sim.step_model.observe(batch, seconds)
         stats = self.sched.stats()
         self.now += seconds
         self.steps += 1

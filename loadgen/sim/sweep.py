@@ -24,8 +24,8 @@ WORKLOAD_PARAMS = {"request_rate": float, "num_prompts": int, "burstiness": floa
                    "prompt_len_max": int, "output_len_max": int, "prefix_len": int,
                    "num_groups": int, "seed": int}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_OTHER_PARAMS = {"scheduling_policy", "batch_size", "batch_timeout"}
-ROW_KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+_OTHER_PARAMS = {"scheduling_policy", "batch_size", "batch_timeout", "max_step_ms"}
+ROW_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_e2el_ms", "p99_e2el_ms", "median_tpot_ms", "p99_itl_ms", "num_preemptions",
             "mean_kv_cache_usage", "unfinished")
 
@@ -39,6 +39,8 @@ class Preset:
     values: tuple[str, ...]
     defaults: dict[str, Any]  # argparse dests -> values, applied before the user's flags
     about: str
+    # A second sweep on the same scene, with the step-time target off, plotted alongside
+    companion: tuple[str, tuple[str, ...]] | None = None
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -54,7 +56,20 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            {"num_prompts": 200, "request_rate": 4.0, "prompt_len": LengthDist.parse("uniform:20:200"),
             "output_len": LengthDist.parse("uniform:50:300"), "num_gpu_blocks": 1024, "seed": 0},
            "longer prompts cost prefill compute and KV; TTFT and preemptions grow, throughput falls"),
+    Preset("step-time", "max_step_ms", ("100", "200", "300", "400", "600", "800", "1200"),
+           {"num_prompts": 48, "prompt_len": LengthDist.parse("uniform:20:600"),
+            "output_len": LengthDist.parse("uniform:32:256"), "model_shape": "smollm2-135m", "hardware": "cpu",
+            "num_gpu_blocks": 1456, "seed": 0},
+           "a step-time target bounds ITL p99 near itself; too low starves prefill (TTFT, throughput)",
+           companion=("max_num_batched_tokens", ("256", "512", "1024", "2048"))),
 )}
+
+
+def companion_rows(args: argparse.Namespace, preset: Preset) -> list[dict[str, Any]]:
+    """The preset's second sweep on the same scene, with the step-time target off."""
+    assert preset.companion is not None
+    param, values = preset.companion
+    return sweep(with_param(args, "max_step_ms", "0"), param, list(values))
 
 
 def canonical(param: str) -> str:

@@ -64,6 +64,10 @@ class MirrorWorker:
         self.batch = InputBatch(max_model_len, block_size, torch.device("cpu"), num_blocks=num_blocks)
         self.executor = StepExecutor(self.batch, self)
 
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.batch.requests
+
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.executor.execute(plan)
 
