@@ -88,7 +88,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="run the model eagerly (no torch.compile); by default the forward is compiled at start-up "
                         "where a C++ compiler is found")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash_attn"], help="attention kernels (auto: flash-attn on CUDA when importable)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flash_attn"],
+                   help="attention kernels (auto: flash-attn on CUDA when importable; on CPU the C++ paged kernel "
+                        "built at first start-up where a compiler is found, else the portable torch path)")
     g.add_argument("--seed", type=int, default=0, help="worker's base random seed (default %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="worker threads on CPU (default: see README, Threads)")
     g.add_argument("--worker-runner", default="worker.model_runner:ModelRunner", help=argparse.SUPPRESS)

@@ -13,11 +13,16 @@ Backends write the step's new K/V at those slots first, then attend over the cac
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("stepserve.worker")
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -32,9 +37,10 @@ class PrefillSpan:
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64 on the device
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class AttentionMetadata:
-    """Everything attention needs for one step, built once per step by the input batch."""
+    """Everything attention needs for one step, built once per step by the input batch; the
+    torch backend's extras (decode mask, prefill spans) only when it asks for them."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     query_start_loc: torch.Tensor  # [B + 1] int32: token offsets per request
@@ -43,13 +49,33 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int  # the first num_decodes requests have exactly one query token
-    decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, L] bool: key slot valid
-    prefills: tuple[PrefillSpan, ...]  # the requests after the decodes
     block_size: int
+    starts: list[int]  # query_start_loc as Python ints
+    seq_lens_list: list[int]  # seq_lens as Python ints
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @cached_property
+    def decode_key_mask(self) -> torch.Tensor | None:
+        """[num_decodes, 1, 1, L] bool: key slot valid, over the decodes' padded blocks."""
+        n = self.num_decodes
+        if not n:
+            return None
+        blocks = -(-max(self.seq_lens_list[:n]) // self.block_size)
+        key_pos = torch.arange(blocks * self.block_size, device=self.seq_lens.device)
+        return (key_pos[None, :] < self.seq_lens[:n, None]).view(n, 1, 1, -1)
+
+    @cached_property
+    def prefills(self) -> tuple[PrefillSpan, ...]:
+        """The requests after the decodes."""
+        bs = self.block_size
+        return tuple(
+            PrefillSpan(self.starts[i], self.starts[i + 1], self.seq_lens_list[i],
+                        self.block_tables[i, : -(-self.seq_lens_list[i] // bs)].long())
+            for i in range(self.num_decodes, len(self.seq_lens_list))
+        )
 
 
 class AttentionBackend(Protocol):
@@ -57,40 +83,43 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
+    def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
+        """The per-layer caches that `forward` reads and writes."""
+
+    def bind(self, meta: AttentionMetadata) -> None:
+        """The step about to run."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor: ...
 
 
 class StepAttention:
-    """The model's attention for the current step: a backend, the per-layer KV cache, and the
-    step's metadata, which the runner binds before each forward.
+    """The model's attention: a backend over the per-layer KV cache, bound to each step's
+    metadata by the runner before the forward.
 
-    A compiled forward reaches it through the `stepserve::paged_attention` op instead
-    (`compiled_attend`), opaque to the compiler, which takes the layer's index rather than
-    its cache tensors: a compiled op that mutated its inputs would be functionalized, its
-    whole cache cloned per call. So the per-step Python of the backends (request spans,
-    masks) never becomes a guard or a recompilation, and the cache is written in place.
+    A compiled forward calls `compiled` instead: an op opaque to the compiler that takes the
+    layer's index rather than its cache tensors (an op that mutated its inputs would be
+    functionalized, its whole cache cloned per call), so the cache is written in place and
+    the per-step metadata never becomes a guard or a recompilation.
     """
 
     def __init__(self, backend: AttentionBackend, kv_layers: list[KVCacheLayer]) -> None:
         self.backend = backend
-        self.kv_layers = kv_layers
-        self.meta: AttentionMetadata | None = None
+        backend.set_cache(kv_layers)
 
-    def bind(self, meta: AttentionMetadata, kv_layers: list[KVCacheLayer] | None = None) -> StepAttention:
-        """Attend with `meta` (over `kv_layers` when given) until the next bind."""
+    def bind(self, meta: AttentionMetadata) -> StepAttention:
         global _ACTIVE
-        self.meta = meta
-        if kv_layers is not None:
-            self.kv_layers = kv_layers
+        self.backend.bind(meta)
         _ACTIVE = self
         return self
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        assert self.meta is not None, "attention called outside a step"
-        return self.backend.forward(q, k, v, self.kv_layers[layer], self.meta)
+        return self.backend.forward(q, k, v, layer)
+
+    @property
+    def compiled(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        """The attention a compiled forward calls: the backend's own op when it has one (C++,
+        no Python per layer), else the `stepserve::paged_attention` Python op."""
+        return getattr(self.backend, "op", None) or compiled_attend
 
 
 _ACTIVE: StepAttention | None = None
@@ -101,7 +130,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """Write this step's K/V into layer `layer`'s cache and attend (the bound step's metadata).
     The cache write is invisible to the compiler on purpose (see `StepAttention`)."""
     assert _ACTIVE is not None, "stepserve::paged_attention called outside a step"
-    return _ACTIVE(q, k, v, layer)
+    return _ACTIVE.backend.forward(q, k, v, layer)
 
 
 @paged_attention.register_fake
@@ -164,11 +193,18 @@ class TorchAttention:
         # Shared by all layers: each layer's attention is done with its gathered K/V
         # before the next layer gathers.
         self.workspace = GatherWorkspace()
+        self.kv_layers: list[KVCacheLayer] = []
+        self.meta: AttentionMetadata | None = None
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
+        self.kv_layers = kv_layers
+
+    def bind(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        meta, kv_cache = self.meta, self.kv_layers[layer]
+        assert meta is not None, "attention called outside a step"
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -222,11 +258,18 @@ class FlashAttention:
 
         self._varlen = flash_attn_varlen_func
         self.paged = block_size % 256 == 0
+        self.kv_layers: list[KVCacheLayer] = []
+        self.meta: AttentionMetadata | None = None
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
+        self.kv_layers = kv_layers
+
+    def bind(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        meta, kv_cache = self.meta, self.kv_layers[layer]
+        assert meta is not None, "attention called outside a step"
         write_kv(k, v, kv_cache, meta.slot_mapping)
         cu_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         if self.paged:
@@ -264,17 +307,37 @@ def flash_attn_available() -> bool:
 def make_attention_backend(
     name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16
 ) -> AttentionBackend:
-    """`auto`: flash_attn on CUDA (in fp16/bf16) when importable, else torch. Asking for an
-    unavailable backend raises a clear error instead of silently falling back."""
+    """`auto`: flash_attn on CUDA (in fp16/bf16) when importable; on CPU the C++ `cpu`
+    backend when it builds here, else torch. Asking for an unavailable backend raises a
+    clear error instead of silently falling back."""
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "flash_attn" if device.type == "cuda" and half and flash_attn_available() else "torch"
+        name = _auto_backend(device, half)
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"attention_backend=cpu needs the CPU and float32/bfloat16, got {device} {dtype}")
+        from worker.cpu_attention import CpuPagedAttention
+
+        return CpuPagedAttention()
     if name == "flash_attn":
         if device.type != "cuda" or not half:
             raise ValueError(f"attention_backend=flash_attn needs a CUDA device and float16/bfloat16, got {device} {dtype}")
         if not flash_attn_available():
             raise ValueError("attention_backend=flash_attn, but the flash_attn package cannot be imported (pip install flash-attn)")
         return FlashAttention(block_size)
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or flash_attn)")
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch, cpu or flash_attn)")
+
+
+def _auto_backend(device: torch.device, half: bool) -> str:
+    if device.type == "cuda":
+        return "flash_attn" if half and flash_attn_available() else "torch"
+    if device.type == "cpu":
+        from worker.cpu_attention import available
+
+        ok, why = available()
+        if ok:
+            return "cpu"
+        log.warning("attention: the C++ cpu backend is unavailable (%s); using the torch backend", why)
+    return "torch"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-AttentionBackendName = Literal["auto", "torch", "flash_attn"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "flash_attn"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.attention_backend not in ("auto", "torch", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):

@@ -29,7 +29,7 @@ import torch
 from scheduler.kv_manager import cdiv
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
-from worker.attention import AttentionMetadata, PrefillSpan
+from worker.attention import AttentionMetadata
 
 SwapPairs = tuple[tuple[int, int], ...]
 
@@ -252,38 +252,20 @@ class InputBatch:
 
     def attention_metadata(self, step: StepInputs) -> AttentionMetadata:
         """What attention needs for `step`, as device tensors (built once per step)."""
-        rows, counts, seq_lens, slots = step.rows, step.counts, step.seq_lens, step.slots
-        bs = self.block_size
-        num_decodes = int((counts == 1).sum())
-        max_blocks = cdiv(int(seq_lens.max()), bs)
-        tables = self.to_device(self.block_table[rows, :max_blocks], torch.int32)
-        seq_lens_t = self.to_device(seq_lens, torch.int32)
-        mask = None
-        if num_decodes:
-            dec_blocks = cdiv(int(seq_lens[:num_decodes].max()), bs)
-            key_pos = torch.arange(dec_blocks * bs, device=self.device)
-            mask = (key_pos[None, :] < seq_lens_t[:num_decodes, None]).view(num_decodes, 1, 1, -1)
+        counts, seq_lens = step.counts, step.seq_lens
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        prefills = tuple(
-            PrefillSpan(
-                token_start=int(starts[i]),
-                token_end=int(starts[i + 1]),
-                seq_len=int(seq_lens[i]),
-                block_ids=tables[i, : cdiv(int(seq_lens[i]), bs)].long(),
-            )
-            for i in range(num_decodes, len(rows))
-        )
         return AttentionMetadata(
-            slot_mapping=self.to_device(slots),
+            slot_mapping=self.to_device(step.slots),
             query_start_loc=self.to_device(starts, torch.int32),
-            seq_lens=seq_lens_t,
-            block_tables=tables,
+            seq_lens=self.to_device(seq_lens, torch.int32),
+            block_tables=self.to_device(self.block_table[step.rows, :max_blocks], torch.int32),
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
-            num_decodes=num_decodes,
-            decode_key_mask=mask,
-            prefills=prefills,
-            block_size=bs,
+            num_decodes=int((counts == 1).sum()),
+            block_size=self.block_size,
+            starts=starts.tolist(),
+            seq_lens_list=seq_lens.tolist(),
         )
 
     def to_device(self, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -22,9 +22,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from worker.model_config import ModelConfig
 from worker.quant import quantize_int4, quantize_int8
@@ -34,6 +34,7 @@ log = logging.getLogger("stepserve.worker")
 WIDE = 64  # tokens of the "many tokens" probe
 CUT_OVER_WIDTHS = (4, 8, 16, 32, 64, 128, 256)
 _PROBE_DIM_CAP = 4096  # larger models are probed on a slice of their matmul
+_MAX_COPIES = 64
 
 
 @dataclass(frozen=True)
@@ -64,41 +65,63 @@ def median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
 
 
 class _Probe:
-    """Timings of the model's gate/up matmul in every form, memoised."""
+    """Timings of the model's gate/up matmul in every form, memoised.
+
+    Each form's timing runs over several copies of the weight, more bytes in float32 than
+    twice the last-level cache, so one token streams its weights from memory as a decode
+    step of the whole model does (one cache-resident matrix would hide the bandwidth that
+    separates the forms at one token)."""
 
     def __init__(self, config: ModelConfig) -> None:
         n = min(2 * config.intermediate_size, _PROBE_DIM_CAP)
         k = min(config.hidden_size, _PROBE_DIM_CAP) // 32 * 32 or 32
         gen = torch.Generator().manual_seed(0)
         self.weight = torch.randn(n, k, generator=gen) * 0.02
+        self.copies = max(1, min(_MAX_COPIES, -(-2 * _llc_bytes() // self.weight.nbytes)))
         self.k = k
         self.timings: dict[str, float] = {}
-        self._layers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._layers: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
 
-    def layer(self, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def layers(self, form: str) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         if form not in self._layers:
             from worker.linear import make_linear
 
-            if form == "float32":
-                w32 = self.weight
-                self._layers[form] = lambda x: F.linear(x, w32)
-            elif form == "bfloat16":
-                w16 = self.weight.bfloat16()
-                self._layers[form] = lambda x: F.linear(x, w16)
+            if form in ("float32", "bfloat16"):
+                dtype = getattr(torch, form)
+                made = [make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)]
             else:
                 q = quantize_int8(self.weight) if form == "int8" else quantize_int4(self.weight)
-                self._layers[form] = make_linear(q, torch.bfloat16)
+                made = [make_linear(q, torch.bfloat16) for _ in range(self.copies)]
+            self._layers[form] = made  # type: ignore[assignment]
         return self._layers[form]
 
     def ms(self, form: str, tokens: int) -> float:
+        """Milliseconds of one matmul of `tokens` rows in `form` (weights from memory)."""
         key = f"{form}@{tokens}"
         if key not in self.timings:
             dtype = torch.float32 if form == "float32" else torch.bfloat16
             x = torch.randn(tokens, self.k).to(dtype)
-            layer = self.layer(form)
+            layers = self.layers(form)
+
+            def sweep() -> None:
+                for layer in layers:
+                    layer(x)
+
             with torch.inference_mode():
-                self.timings[key] = median_ms(lambda: layer(x))
+                self.timings[key] = median_ms(sweep, repeat=5) / len(layers)
         return self.timings[key]
+
+
+def _llc_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        digits = text.rstrip("KMB")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 << 20)
 
 
 def choose_kernels(

@@ -73,6 +73,7 @@ class DecoderLayer(nn.Module):
         self.index = index
         prefix = f"model.layers.{index}."
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.mm_dtype = weights.dtype
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.input_norm = RMSNorm(w.pop(prefix + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_norm = RMSNorm(w.pop(prefix + "post_attention_layernorm.weight"), c.rms_norm_eps)
@@ -90,14 +91,17 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attention: Attend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """`x` [T, hidden] float32: the residual stream stays float32 whatever the weights'
+        dtype; only matmul inputs are cast to it (bf16 residuals measured 3 % lower top-1
+        agreement with the float32 reference on SmolLM2)."""
+        t, mm = x.shape[0], self.mm_dtype
+        q, k, v = self.qkv(self.input_norm(x).to(mm)).float().split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), *cos_sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *cos_sin)
-        attn = attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), self.index)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        attn = attention(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), self.index)
+        x = x + self.o_proj(attn.reshape(t, self.q_size).to(mm)).float()
+        gate, up = self.gate_up(self.post_norm(x).to(mm)).float().chunk(2, dim=-1)
+        return x + self.down((F.silu(gate) * up).to(mm)).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
         del embed_weight
         rope_freqs = weights.pop("rope_freqs", None)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config, rope_freqs))
-        self.register_buffer("rope_cos", freqs.cos().to(form.dtype), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin().to(form.dtype), persistent=False)
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
     @property
     def weight_bytes(self) -> int:
@@ -142,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         attention: Attend,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for T flattened tokens."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids).float()
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
@@ -151,4 +155,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] for the selected hidden states [n, hidden]."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden.to(self.layers[0].mm_dtype)).float()

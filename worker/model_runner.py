@@ -16,7 +16,9 @@ import torch
 
 from scheduler.kv_manager import cdiv
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from scheduler.sampling import SamplingParams
 from worker.attention import StepAttention, make_attention_backend
+from worker.compiled_forward import Forward, compile_forward
 from worker.config import WorkerConfig, WorkerInfo
 from worker.copy_probe import measure_copy_bandwidth
 from worker.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
@@ -101,8 +103,9 @@ class ModelRunner:
         self.attention = StepAttention(backend, self.kv_cache.layers())
         self.batch = InputBatch(self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks)
         self.executor = StepExecutor(self.batch, self)
-        self.forward = self.model.forward
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
+        self.forward, self.compiled, self.compile_note = self._forward()
+        log.info("forward: %s", self.compile_note)
         self.info = self._info(path)
 
     def _choose_kernels(self, model_config: ModelConfig, path: Path) -> KernelChoice:
@@ -119,12 +122,42 @@ class ModelRunner:
         return choose_kernels(model_config, config.dtype, config.quantization, native,
                               config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params)
 
+    def _forward(self) -> tuple[Forward, bool, str]:
+        """The forward the steps run: compiled where that measures faster (see
+        `worker.compiled_forward`), else eager."""
+        if self.config.enforce_eager:
+            return self.model.forward, False, "eager (--enforce-eager)"
+        if self.device.type != "cpu":
+            return self.model.forward, False, "eager (the compiled forward is built for the CPU only)"
+        cut = self.kernels.dense_above
+        widths = [w for w in (1, 2, None if cut is None else cut + 1) if w is not None]
+        widths = [w for w in widths if cdiv(w, self.config.block_size) <= self.kv_cache.num_blocks]
+        with torch.inference_mode():
+            result = compile_forward(self.model.forward, self.attention.compiled, self._dummy_forward, widths)
+        return result.forward, result.compiled, result.note
+
+    def _dummy_forward(self, forward: Forward, tokens: int) -> None:
+        """One forward of `tokens` placeholder tokens over the first KV blocks (free at
+        start-up; whatever it writes there is overwritten before any request reads it)."""
+        state = RequestState("__warm_up__", [0] * tokens, SamplingParams(), None)
+        self.batch.add(state)
+        try:
+            self.batch.set_blocks(state, list(range(cdiv(tokens, self.config.block_size))))
+            step = self.batch.prepare([(state, tokens)])
+            to_device = self.batch.to_device
+            forward(to_device(step.input_ids), to_device(step.positions),
+                    self.attention.bind(self.batch.attention_metadata(step)))
+        finally:
+            self.batch.remove(state.req_id)
+
     def _build_model(self, weights: dict[str, Weight]) -> LlamaForCausalLM:
         form = WeightForm(self.dtype, self.kernels.quantization, self.kernels.dense_above)  # type: ignore[arg-type]
         for name in list(weights):
             w = weights[name]
             if isinstance(w, torch.Tensor):
-                weights[name] = w.to(self.device, torch.float32 if name == "rope_freqs" else self.dtype)
+                # norms and rope stay float32, as the float32 residual stream they act on
+                keep32 = name == "rope_freqs" or name.endswith("norm.weight")
+                weights[name] = w.to(self.device, torch.float32 if keep32 else self.dtype)
         return LlamaForCausalLM(self.model_config, weights, self.max_model_len, form).to(self.device)
 
     def _make_kv_cache(self) -> KVCache:
@@ -178,7 +211,8 @@ class ModelRunner:
             quantization=self.kernels.quantization,
             num_threads=torch.get_num_threads(),
             weight_bytes=self.model.weight_bytes,
-            extra={k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
+            compiled=self.compiled,
+            extra={"forward": self.compile_note, **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()}},
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 

@@ -161,10 +161,10 @@ def test_flash_glue_matches_torch_backend(block_size: int, requests: dict[str, t
     k_cache, v_cache = torch.randn(2, num_blocks, block_size, 2, 8).unbind(0)
     t = meta.num_tokens
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
-    want = TorchAttention().forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta)
+    want = StepAttention(TorchAttention(), [(k_cache.clone(), v_cache.clone())]).bind(meta)(q, k, v, 0)
     flash = FlashAttention.__new__(FlashAttention)
     flash._varlen, flash.paged = reference_varlen, block_size % 256 == 0
-    got = flash.forward(q, k, v, (k_cache.clone(), v_cache.clone()), meta)
+    got = StepAttention(flash, [(k_cache.clone(), v_cache.clone())]).bind(meta)(q, k, v, 0)
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -173,7 +173,13 @@ def test_flash_attn_backend_request_is_checked() -> None:
 
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device"):
         make_attention_backend("flash_attn", torch.device("cpu"), 16, torch.float32)
-    assert make_attention_backend("auto", torch.device("cpu"), 16, torch.float32).name == "torch"
+    from worker.cpu_attention import available
+
+    # on CPU, auto takes the C++ backend wherever it builds, the portable one otherwise
+    expected = "cpu" if available()[0] else "torch"
+    assert make_attention_backend("auto", torch.device("cpu"), 16, torch.float32).name == expected
+    with pytest.raises(ValueError, match="cpu needs the CPU and float32/bfloat16"):
+        make_attention_backend("cpu", torch.device("cpu"), 16, torch.float16)
 
 
 def test_gather_workspace_is_reused_and_matches_a_fresh_gather() -> None:
