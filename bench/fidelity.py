@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -79,13 +80,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="worker threads, for calibration and server alike (default: all cores but one, "
                          "which the engine, the HTTP front end and the load generator need)")
     ap.add_argument("--bench-json", default=None, help="reuse a worker_step.py output instead of running it")
+    ap.add_argument("--worker-args", type=shlex.split, default=[],
+                    help="worker flags for calibration and server alike, one string given with '=', e.g. "
+                         "--worker-args='--dtype float32 --enforce-eager' (default: the server's defaults)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-fidelity-"))
     step_json = Path(args.bench_json) if args.bench_json else tmp / "worker_step.json"
     if not args.bench_json:
         with step_json.open("w") as f:
             subprocess.run(
-                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads), *CALIBRATION],
+                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads), *CALIBRATION, *args.worker_args],
                 check=True, cwd=ROOT, stdout=f,
             )
     profile = tmp / "cpu_profile.json"
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
-         "--num-threads", str(args.threads), *sched],
+         "--num-threads", str(args.threads), *sched, *args.worker_args],
         cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
     )
     measured: dict[float, dict[str, float]] = {}

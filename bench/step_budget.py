@@ -19,45 +19,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.servers import (  # noqa: E402
+    BUILD_HINT,
+    free_port,
+    llama_cmd,
+    llama_server_binary,
+    load,
+    running,
+    stepserve_cmd,
+)
 from scheduler.config import DEFAULT_MAX_STEP_MS  # noqa: E402
 
 KEYS = ("total_token_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
         "p99_itl_ms", "completed", "failed", "duration")
-LLAMA_DEFAULT = Path.home() / ".cache/stepserve-bench/build/bin/llama-server"
-BUILD_HINT = "build it with: bash /work/shared/tools/build-llama-server.sh (prints the binary's path)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not become healthy")
 
 
 def _workload(args: argparse.Namespace) -> list[str]:
@@ -65,43 +46,16 @@ def _workload(args: argparse.Namespace) -> list[str]:
             "--seed", str(args.seed), "--request-rate", "inf"]
 
 
-def _load(url: str, args: argparse.Namespace, out: Path, model: str | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
-           *(["--model", model] if model else []), *_workload(args)]
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
-    sys.stderr.write(done.stdout)
-    data = json.loads(out.read_text())
-    return {k: data.get(k) for k in KEYS}
-
-
-def _run_server(cmd: list[str], url: str, args: argparse.Namespace, out: Path, model: str | None = None) -> dict[str, Any]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_healthy(url, proc)
-        return _load(url, args, out, model)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def run_stepserve(args: argparse.Namespace, flags: list[str], out: Path) -> dict[str, Any]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--num-threads", str(args.threads), *flags]
-    return _run_server(cmd, f"http://127.0.0.1:{port}", args, out)
+    port = free_port()
+    with running(stepserve_cmd(port, args.threads, flags), port) as url:
+        return load(url, _workload(args), out, KEYS)
 
 
 def run_llama_server(args: argparse.Namespace, binary: Path, out: Path) -> dict[str, Any]:
-    from worker.loader import find_default_model
-
-    port = _free_port()
-    slots = min(args.num_prompts, 64)
-    cmd = [str(binary), "-m", str(find_default_model()), "--port", str(port), "--host", "127.0.0.1",
-           "-t", str(args.threads), "-np", str(slots), "-c", str(slots * args.llama_ctx_per_slot), "-cb"]
-    return _run_server(cmd, f"http://127.0.0.1:{port}", args, out, model="smollm2")
+    port, slots = free_port(), min(args.num_prompts, 64)
+    with running(llama_cmd(binary, port, args.threads, slots, args.llama_ctx_per_slot), port) as url:
+        return load(url, _workload(args), out, KEYS)
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -153,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     binary = None
     if args.llama_server is not None:
-        binary = LLAMA_DEFAULT if args.llama_server == "auto" else Path(args.llama_server)
-        if not binary.is_file():
-            print(f"bench/step_budget.py: no llama-server at {binary}; {BUILD_HINT}", file=sys.stderr)
+        binary = llama_server_binary(args.llama_server)
+        if binary is None:
+            print(f"bench/step_budget.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-step-budget-"))
     results: dict[str, dict[str, Any]] = {}

@@ -15,6 +15,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     disable_created_metrics,
     generate_latest,
 )
@@ -89,6 +90,13 @@ class ServiceMetrics:
         self.model_execute_time = hist(
             "model_execute_time_seconds", "Worker time executing one plan (swaps, forward, sampling).", _LATENCY_BUCKETS
         )
+        # vLLM's cache_config_info idiom: constant labels that say how the worker runs
+        self.worker = Info("stepserve:worker", "How the worker runs the model (chosen at start-up).", labels, registry=r).labels(model_name)
+
+    def set_worker(self, *, device: str, dtype: str, quantization: str, compiled: bool, attention_backend: str,
+                   num_threads: int) -> None:
+        self.worker.info({"device": device, "dtype": dtype, "quantization": quantization, "compiled": str(compiled).lower(),
+                          "attention_backend": attention_backend, "num_threads": str(num_threads)})
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Refresh gauges and cumulative counters from a scheduler snapshot."""

@@ -114,6 +114,8 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             raise
         name = a["served_model_name"] or info.model_name
         metrics = ServiceMetrics(name)
+        metrics.set_worker(device=info.device, dtype=info.dtype, quantization=info.quantization, compiled=info.compiled,
+                           attention_backend=info.attention_backend, num_threads=info.num_threads)
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
@@ -123,7 +125,9 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             metrics=metrics,
             step_time=StepTimeFeed(step_model, sched_config.step_time_target, metrics),
         )
-        log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", info.model_name, info.device, info.dtype, info.num_gpu_blocks, info.block_size)
+        log.info("worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d tokens",
+                 info.model_name, info.device, info.dtype, info.quantization, info.extra.get("forward", "eager"),
+                 info.attention_backend, info.num_threads, info.num_gpu_blocks, info.block_size)
         log.info("step budget: %d tokens, %s; swap copies at %.1f GB/s", sched_config.max_num_batched_tokens,
                  f"{sched_config.step_time_target * 1e3:g} ms" if sched_config.step_time_target else "no time target",
                  info.copy_bandwidth / 1e9)

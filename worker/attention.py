@@ -334,7 +334,7 @@ def _auto_backend(device: torch.device, half: bool) -> str:
     if device.type == "cuda":
         return "flash_attn" if half and flash_attn_available() else "torch"
     if device.type == "cpu":
-        from worker.cpu_attention import available
+        from worker.cpu_kernels import available
 
         ok, why = available()
         if ok:

@@ -45,11 +45,13 @@ class WorkerConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):
             raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {self.quantization!r}")
-        if self.quantization in ("gguf", "int8", "int4") and self.dtype in ("float32", "float16"):
+        if self.quantization in ("int8", "int4") and self.dtype in ("float32", "float16"):
             raise ValueError(
                 f"quantization={self.quantization} runs with bfloat16 activations (torch's low-bit CPU kernels); "
-                f"dtype={self.dtype} needs quantization=none"
+                f"dtype={self.dtype} needs quantization=none or gguf"
             )
+        if self.quantization == "gguf" and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(f"quantization=gguf runs with float32 activations; dtype={self.dtype} needs quantization none, int8 or int4")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

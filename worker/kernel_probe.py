@@ -7,12 +7,14 @@ fewer bytes but compute slower at many tokens), so every choice left to `auto` i
 from timings of the model's MLP matmul at one token (a decode step) and at `WIDE` tokens
 (a batch or a prefill chunk), a second or less in all.
 
-    dtype auto          bfloat16 if its dense matmul beats float32's at both widths
-    quantization auto   gguf for a GGUF file whose low-bit kernels beat the best dense
-                        matmul at one token; otherwise none (a safetensors model is never
-                        quantized unasked)
-    int4 dense copy     kept when dense bf16 beats int4 from some width on and the copy fits
-                        in a quarter of the memory; steps above that width use it
+    quantization auto   gguf for a GGUF file whose blocks, through stepserve's float32
+                        kernel, beat a float32 dense matmul at one token; otherwise none (a
+                        safetensors model is never quantized unasked)
+    dtype auto          float32 for a GGUF file (the accuracy gate rules out bfloat16
+                        there); else bfloat16 if its dense matmul beats float32's at both
+                        widths, as --quantization int8/int4 (torch's kernels) require
+    int4 dense copy     (--quantization int4) kept when dense bf16 beats int4 from some
+                        width on and the copy fits in a quarter of the memory
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ class _Probe:
             if form in ("float32", "bfloat16"):
                 dtype = getattr(torch, form)
                 made = [make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)]
-            else:
-                q = quantize_int8(self.weight) if form == "int8" else quantize_int4(self.weight)
-                made = [make_linear(q, torch.bfloat16) for _ in range(self.copies)]
+            else:  # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
+                kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
+                q = quantize_int8(self.weight, 32 if gguf else None) if kind == "int8" else quantize_int4(self.weight)
+                made = [make_linear(q, torch.float32 if gguf else torch.bfloat16) for _ in range(self.copies)]
             self._layers[form] = made  # type: ignore[assignment]
         return self._layers[form]
 
@@ -99,7 +102,7 @@ class _Probe:
         """Milliseconds of one matmul of `tokens` rows in `form` (weights from memory)."""
         key = f"{form}@{tokens}"
         if key not in self.timings:
-            dtype = torch.float32 if form == "float32" else torch.bfloat16
+            dtype = torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
             x = torch.randn(tokens, self.k).to(dtype)
             layers = self.layers(form)
 
@@ -126,24 +129,28 @@ def _llc_bytes() -> int:
 
 def choose_kernels(
     config: ModelConfig, dtype: str, quantization: str, native_kinds: set[str], max_tokens: int,
-    dense_copy_bytes: int,
+    dense_copy_bytes: int, gguf_kernels: bool,
 ) -> KernelChoice:
     """Resolve `auto` dtype / quantization on CPU by measurement. `native_kinds`: the low-bit
     kinds ("int4", "int8") a GGUF file stores natively (empty for other formats);
-    `dense_copy_bytes`: what a bf16 copy of the linear weights would take."""
+    `dense_copy_bytes`: what a bf16 copy of the linear weights would take; `gguf_kernels`:
+    whether stepserve's C++ kernels built here."""
     probe = _Probe(config)
-    if dtype == "auto" and quantization in ("gguf", "int8", "int4"):
-        dtype = "bfloat16"  # the low-bit kernels' activation dtype
-    if dtype == "auto":
-        bf16_wins = all(probe.ms("bfloat16", n) < probe.ms("float32", n) for n in (1, WIDE))
-        dtype = "bfloat16" if bf16_wins else "float32"
     if quantization == "auto":
         quantization = "none"
-        if native_kinds and dtype == "bfloat16":
-            best_dense = min(probe.ms("bfloat16", 1), probe.ms("float32", 1))
-            if all(probe.ms(kind, 1) < best_dense for kind in native_kinds):
-                quantization = "gguf"
-    uses_int4 = quantization == "int4" or (quantization == "gguf" and "int4" in native_kinds)
+        # GGUF: its blocks through our float32 kernel where that beats float32 dense at one
+        # token. The bfloat16 forms are never chosen for it: they miss the accuracy gate
+        # (tests/worker/test_fast_mode.py; 96-98 % top-1 agreement on SmolLM2).
+        eligible = bool(native_kinds) and gguf_kernels and dtype in ("auto", "float32")
+        if eligible and all(probe.ms(f"gguf-{kind}", 1) < probe.ms("float32", 1) for kind in native_kinds):
+            quantization = "gguf"
+        if native_kinds and dtype == "auto":
+            dtype = "float32"
+    if dtype == "auto":
+        required = {"gguf": "float32", "int8": "bfloat16", "int4": "bfloat16"}.get(quantization)
+        faster = all(probe.ms("bfloat16", n) < probe.ms("float32", n) for n in (1, WIDE))
+        dtype = required or ("bfloat16" if faster else "float32")
+    uses_int4 = quantization == "int4"
     fits = dense_copy_bytes <= _memory_bytes() // 4
     dense_above = _cut_over(probe, max_tokens) if uses_int4 and fits else None
     return KernelChoice(getattr(torch, dtype), quantization, dense_above, dict(probe.timings))

@@ -3,6 +3,8 @@
     Dense      F.linear over an fp32 / bf16 / fp16 weight
     Int8       torch's weight-only int8 CPU kernel (one scale per output row)
     Int4       torch's weight-only int4 CPU kernel (groups of 32 along K, scale and zero)
+    GGUF       stepserve's own kernel (csrc/lowbit_linear.cpp) over GGUF's Q4 / Q8 blocks as
+               stored, float32 activations and outputs
 
 Both low-bit kernels take bfloat16 activations (with float32 ones they fall back to a slow
 path, measured 10-100x slower), so a quantized model runs in bfloat16. Int4 may also keep a
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.quant import QuantizedWeight
+from worker.quant import GGUF_GROUP, QuantizedWeight, per_row_int8
 
 _INT4_N_MULTIPLE = 16  # the int4 packing kernel's rule for N
 
@@ -54,7 +56,8 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_quantized(cls, weight: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
-        return cls(weight.q.to(torch.int8).contiguous(), weight.scale.to(dtype), None if bias is None else bias.to(dtype))
+        row = per_row_int8(weight)
+        return cls(row.q.to(torch.int8).contiguous(), row.scale[:, 0].to(dtype), None if bias is None else bias.to(dtype))
 
     @property
     def out_features(self) -> int:
@@ -78,8 +81,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         n, k = weight.shape
         pad = -n % _INT4_N_MULTIPLE
-        q, scale, zero = weight.q.to(torch.int32), weight.scale, weight.zero
-        assert zero is not None
+        assert weight.offset is not None
+        # torch's kernel computes (q - 8) * scale + zero: its zero is the value at q = 8
+        q, scale, zero = weight.q.to(torch.int32), weight.scale, weight.offset + 8.0 * weight.scale
         if pad:
             q = F.pad(q, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
@@ -103,30 +107,76 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-Linear = DenseLinear | Int8Linear | Int4Linear
+class GGUFLinear(nn.Module):
+    """GGUF's Q4 / Q8 blocks (32 values each) as stored, through stepserve's C++ kernel:
+    float32 activations and outputs, weights widened in registers (see csrc/lowbit_linear.cpp)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bits = bits
+        _buffer(self, "codes", codes)
+        _buffer(self, "scales", scales)
+        _buffer(self, "offsets", offsets)  # empty for Q8
+        _buffer(self, "bias", bias)
+
+    @classmethod
+    def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear:
+        if weight.group_size != GGUF_GROUP:
+            raise ValueError(f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}")
+        b = None if bias is None else bias.float()
+        if weight.kind == "int8":
+            return cls(weight.q.to(torch.int8).view(torch.uint8).contiguous(), weight.scale.float().contiguous(),
+                       torch.empty(0), 8, b)
+        assert weight.offset is not None
+        return cls(pack_nibbles(weight.q), weight.scale.float().contiguous(), weight.offset.float().contiguous(), 4, b)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.scales.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.stepserve_cpu.lowbit_linear(x, self.codes, self.scales, self.offsets, self.bits)
+        return y if self.bias is None else y + self.bias
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K] as GGUF stores them: per block of 32, byte j = value j | value j+16 << 4."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // GGUF_GROUP, GGUF_GROUP)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+Linear = DenseLinear | Int8Linear | Int4Linear | GGUFLinear
 
 
 def make_linear(
     weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None,
     dense_above: int | None = None,
 ) -> Linear:
-    """The layer for a weight as loaded: dense for floats, else the kernel of its kind."""
+    """The layer for a weight as loaded: dense for floats; low-bit codes under float32
+    activations through the GGUF kernel, under bfloat16 ones through torch's kernel of
+    their kind."""
     if not isinstance(weight, QuantizedWeight):
         return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+    if dtype == torch.float32:
+        return GGUFLinear.from_quantized(weight, bias)
     if weight.kind == "int8":
         return Int8Linear.from_quantized(weight, dtype, bias)
     return Int4Linear(weight, dtype, bias, dense_above)
 
 
 class Embedding(nn.Module):
-    """Token embedding over a dense table or int8 rows (looked-up rows are dequantized)."""
+    """Token embedding over a dense table or int8 rows (looked-up rows are dequantized,
+    by row or by block of 32 as the codes were scaled)."""
 
     def __init__(self, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight: nn.Parameter | None = None
-        if isinstance(table, QuantizedWeight) and table.kind == "int8":
-            _buffer(self, "qweight", table.q.to(torch.int8).contiguous())
-            _buffer(self, "scales", table.scale.to(dtype))
+        self.quantized = table if isinstance(table, QuantizedWeight) and table.kind == "int8" else None
+        if self.quantized is not None:
+            _buffer(self, "qweight", self.quantized.q.to(torch.int8).contiguous())
+            _buffer(self, "scales", self.quantized.scale.to(torch.float32 if dtype == torch.float32 else dtype))
         else:
             dense = table.dequantize(dtype) if isinstance(table, QuantizedWeight) else table.to(dtype)
             self.weight = nn.Parameter(dense, requires_grad=False)
@@ -134,10 +184,17 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(ids, self.weight)
-        return F.embedding(ids, self.qweight).to(self.scales.dtype) * self.scales[ids, None]
+        rows = F.embedding(ids, self.qweight).to(self.scales.dtype)
+        groups = self.scales.shape[1]
+        return (rows.view(ids.shape[0], groups, -1) * self.scales[ids][..., None]).view(ids.shape[0], -1)
 
-    def tied_head(self) -> Linear:
+    def tied_head(self, dtype: torch.dtype) -> Linear:
         """The LM head that shares this table (tied word embeddings), without a copy."""
         if self.weight is not None:
             return DenseLinear(self.weight)
-        return Int8Linear(self.qweight, self.scales)
+        assert self.quantized is not None
+        if dtype == torch.float32:
+            return GGUFLinear(self.qweight.view(torch.uint8), self.scales, torch.empty(0), 8)
+        if self.quantized.group_size == self.quantized.shape[1]:
+            return Int8Linear(self.qweight, self.scales[:, 0])
+        return Int8Linear.from_quantized(self.quantized, dtype)  # per-row copy for torch's kernel

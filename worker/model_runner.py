@@ -119,8 +119,11 @@ class ModelRunner:
         native = gguf_native_kinds(path) if path.suffix == ".gguf" else set()
         linear_params = sum(
             math.prod(shape) for name, shape in expected_shapes(model_config).items() if name.endswith("proj.weight"))
+        from worker.cpu_kernels import available
+
         return choose_kernels(model_config, config.dtype, config.quantization, native,
-                              config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params)
+                              config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params,
+                              gguf_kernels=available()[0])
 
     def _forward(self) -> tuple[Forward, bool, str]:
         """The forward the steps run: compiled where that measures faster (see

@@ -1,14 +1,13 @@
 """Low-bit weights before packing: `QuantizedWeight`, made from GGUF blocks or from floats.
 
-Two forms, the two that torch's CPU weight-only kernels run:
+Two forms, groupwise along K (g = k // group_size):
 
-    int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]     g = k // group_size, q in 0..15
-    int8: w[n, k] = q[n, k] * scale[n]                             q in -127..127
+    int4: w[n, k] = q[n, k] * scale[n, g] + offset[n, g]          q in 0..15
+    int8: w[n, k] = q[n, k] * scale[n, g]                          q in -127..127
 
-GGUF blocks map onto them: Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) become int4 with
-group 32 exactly (scale = d; zero = 0 for Q4_0, m + 8d for Q4_1); Q8_0 (w = d * q per 32
-values) becomes int8 requantized per row, since the int8 kernel has one scale per row: exact
-where a row's blocks share d, within half a step of the row's largest block elsewhere.
+GGUF blocks map onto them exactly, with group 32: Q4_0 (w = d * (q - 8)): scale = d,
+offset = -8d; Q4_1 (w = d * q + m): scale = d, offset = m; Q8_0 (w = d * q): scale = d. Kernels that need
+another grouping get it from `per_row_int8` (torch's int8 kernel has one scale per row).
 
 A `QuantizedWeight` stays unpacked (plain [N, K] codes and float32 scales) so the model can
 fuse q/k/v and gate/up by concatenating rows, and undo llama.cpp's rope row permutation,
@@ -33,9 +32,9 @@ class QuantizedWeight:
 
     kind: QuantKind
     q: torch.Tensor  # [N, K]: uint8 0..15 (int4) or int8 (int8)
-    scale: torch.Tensor  # [N, K // group_size] (int4) or [N] (int8), float32
-    zero: torch.Tensor | None  # [N, K // group_size] float32 (int4); None for int8
-    group_size: int  # int4 group; K for int8
+    scale: torch.Tensor  # [N, K // group_size] float32
+    offset: torch.Tensor | None  # [N, K // group_size] float32 (int4); None for int8
+    group_size: int
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,18 +42,18 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight these codes stand for."""
-        if self.kind == "int8":
-            return (self.q.float() * self.scale[:, None]).to(dtype)
-        assert self.zero is not None
         scale = self.scale.repeat_interleave(self.group_size, dim=1)
-        zero = self.zero.repeat_interleave(self.group_size, dim=1)
-        return ((self.q.float() - 8.0) * scale + zero).to(dtype)
+        if self.kind == "int8":
+            return (self.q.float() * scale).to(dtype)
+        assert self.offset is not None
+        offset = self.offset.repeat_interleave(self.group_size, dim=1)
+        return (self.q.float() * scale + offset).to(dtype)
 
     def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
         """The same weight with its rows reordered (llama.cpp's Q/K permutation undone)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        zero = None if self.zero is None else self.zero[idx]
-        return QuantizedWeight(self.kind, self.q[idx], self.scale[idx], zero, self.group_size)
+        offset = None if self.offset is None else self.offset[idx]
+        return QuantizedWeight(self.kind, self.q[idx], self.scale[idx], offset, self.group_size)
 
 
 Weight = torch.Tensor | QuantizedWeight  # a weight as loaded: floats, or low-bit codes
@@ -70,17 +69,29 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
         raise ValueError("cannot fuse weights quantized differently")
-    zero = None if first.zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
+    offset = None if first.offset is None else torch.cat([p.offset for p in parts])  # type: ignore[misc]
     return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           zero, first.group_size)
+                           offset, first.group_size)
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-row int8 of a float weight (torchao's int8 weight-only scheme)."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 of a float weight, per row (torchao's int8 weight-only scheme) or per
+    group of `group_size` along K (GGUF's Q8_0 with 32)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", q, scale, None, int(w.shape[1]))
+    n, k = w.shape
+    group = group_size or k
+    groups = w.view(n, k // group, group)
+    scale = (groups.abs().amax(dim=2) / 127.0).clamp_min(1e-12)
+    q = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", q.view(n, k), scale, None, group)
+
+
+def per_row_int8(weight: QuantizedWeight) -> QuantizedWeight:
+    """An int8 weight with one scale per row (requantized from its groups: exact where a
+    row's groups share a scale, within half a step of its largest group elsewhere)."""
+    if weight.group_size == weight.shape[1]:
+        return weight
+    return quantize_int8(weight.dequantize())
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GGUF_GROUP) -> QuantizedWeight:
@@ -93,7 +104,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GGUF_GROUP) -> Quantiz
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     scale = ((high - low) / 15.0).clamp_min(1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return QuantizedWeight("int4", q.view(n, k), scale, low + 8.0 * scale, group_size)
+    return QuantizedWeight("int4", q.view(n, k), scale, low, group_size)
 
 
 def quantize(weight: torch.Tensor | QuantizedWeight, kind: QuantKind) -> QuantizedWeight:
@@ -124,29 +135,20 @@ def _nibbles(qs: np.ndarray) -> torch.Tensor:
 
 def from_gguf(kind_name: str, data: np.ndarray, n: int, k: int) -> QuantizedWeight:
     """A Q4_0, Q4_1 or Q8_0 tensor of HF shape [n, k] as codes and scales, without loss for
-    the Q4 types (Q8_0: per-row requantization, see the module docstring)."""
+    any of them."""
     if kind_name == "Q4_0":
         b = _blocks(data, n, k, 18)
         d = _f16(b[..., 0:2])
         q = _nibbles(b[..., 2:18]).reshape(n, k)
-        return QuantizedWeight("int4", q, d, torch.zeros_like(d), GGUF_GROUP)
+        return QuantizedWeight("int4", q, d, -8.0 * d, GGUF_GROUP)
     if kind_name == "Q4_1":
         b = _blocks(data, n, k, 20)
         d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         q = _nibbles(b[..., 4:20]).reshape(n, k)
-        return QuantizedWeight("int4", q, d, m + 8.0 * d, GGUF_GROUP)
+        return QuantizedWeight("int4", q, d, m, GGUF_GROUP)
     if kind_name == "Q8_0":
         b = _blocks(data, n, k, 34)
         d = _f16(b[..., 0:2])
-        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.float32))
-        return _requantize_q8(q, d)
+        codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k))
+        return QuantizedWeight("int8", codes, d, None, GGUF_GROUP)
     raise ValueError(f"GGML type {kind_name} has no native low-bit form here (Q4_0, Q4_1 and Q8_0 do)")
-
-
-def _requantize_q8(q: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
-    """Q8_0 codes [N, K/32, 32] with block scales [N, K/32] to one int8 scale per row."""
-    n = q.shape[0]
-    row_max = (q.abs().amax(dim=2) * d.abs()).amax(dim=1)  # the row's largest |w|
-    scale = (row_max / 127.0).clamp_min(1e-12)
-    codes = torch.round(q * (d / scale[:, None])[..., None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", codes.reshape(n, -1), scale, None, int(codes.shape[1] * codes.shape[2]))

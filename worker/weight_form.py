@@ -1,11 +1,11 @@
 """`WeightForm`: the form every weight of the model takes (dtype and quantization), in one place.
 
-    quantization   linear layers                         embedding      LM head
-    none           dense in dtype                        dense          dense (tied: shared)
-    gguf           as the file stores them: Q4_0/Q4_1    int8 if Q8_0   the file's form
-                   -> int4, Q8_0 -> int8, floats dense   else dense     (tied: shared)
-    int8           int8 (from any source)                int8           int8 (tied: shared)
-    int4           int4 group 32 (from any source)       int8           int4
+    quantization   dtype     linear layers                        embedding      LM head
+    none           any       dense in dtype                       dense          dense (tied: shared)
+    gguf           float32   the file's Q4_0/Q4_1/Q8_0 blocks     Q8_0 blocks    the file's form
+                             as stored (stepserve's kernel)       or dense       (tied: shared)
+    int8           bfloat16  int8 per row (torch's kernel)        int8           int8 (tied: shared)
+    int4           bfloat16  int4 group 32 (torch's kernel)       int8           int4
 
 The layers built here are `worker.linear`'s; fused q/k/v and gate/up are concatenated before
 packing, in their common form.
@@ -19,7 +19,15 @@ from typing import Literal
 import torch
 
 from worker.linear import Embedding, Linear, make_linear
-from worker.quant import QuantizedWeight, Weight, as_dense, concat_rows, quantize
+from worker.quant import (
+    GGUF_GROUP,
+    QuantizedWeight,
+    Weight,
+    as_dense,
+    concat_rows,
+    quantize,
+    quantize_int8,
+)
 
 Quantization = Literal["none", "gguf", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8", "int4")
@@ -36,11 +44,9 @@ class WeightForm:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "none" and self.dtype != torch.bfloat16:
-            raise ValueError(
-                f"quantization={self.quantization} runs with bfloat16 activations (torch's low-bit CPU "
-                f"kernels), got dtype {self.dtype}; use --dtype bfloat16 or auto, or --quantization none"
-            )
+        need = {"gguf": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}.get(self.quantization)
+        if need is not None and self.dtype != need:
+            raise ValueError(f"quantization={self.quantization} runs with {str(need)[6:]} activations, got {self.dtype}")
 
     def prepare(self, weight: Weight) -> Weight:
         """One linear weight in this form, before fusion and packing."""
@@ -59,8 +65,8 @@ class WeightForm:
         kinds = {p.kind if isinstance(p, QuantizedWeight) else "dense" for p in prepared}
         if kinds == {"dense"}:
             return make_linear(torch.cat([p.to(self.dtype) for p in prepared]), self.dtype, bias)  # type: ignore[union-attr]
-        if len(kinds) > 1:  # a file that mixes types within one fused layer: int8 loses least
-            prepared = [quantize(p, "int8") for p in prepared]
+        if len(kinds) > 1:  # a file that mixes types within one fused layer: int8 (blocks of 32) loses least
+            prepared = [quantize_int8(as_dense(p), GGUF_GROUP) for p in prepared]
         return make_linear(concat_rows(prepared), self.dtype, bias, self.dense_above)  # type: ignore[arg-type]
 
     def embedding(self, table: Weight) -> Embedding:
@@ -79,4 +85,4 @@ class WeightForm:
         prepared = self.prepare(embed_weight)
         if isinstance(prepared, QuantizedWeight) and prepared.kind == "int4":
             return make_linear(prepared, self.dtype, None, self.dense_above)
-        return embedding.tied_head()
+        return embedding.tied_head(self.dtype)

@@ -31,7 +31,7 @@ def _worker_step() -> ModuleType:
 
 def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _worker_step()
-    assert bench.main(["--dtype", "float32", "--quantization", "none", "--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
+    assert bench.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
                        "--chunk-context", "0", "24", "--repeat", "1", "--kv-cache-gib", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     result = out["results"][0]

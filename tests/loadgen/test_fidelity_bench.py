@@ -32,7 +32,7 @@ def test_fidelity_reports_measured_and_simulated_side_by_side(tmp_path: Path,
     fidelity = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fidelity)
 
-    fidelity.main(["--bench-json", str(grid), "--num-prompts", "3", "--request-rates", "4",
+    fidelity.main(["--bench-json", str(grid), "--worker-args=--enforce-eager", "--num-prompts", "3", "--request-rates", "4",
                    "--prompt-len", "uniform:16:32", "--output-len", "uniform:4:6", "--threads", "1"])
     report = json.loads(capsys.readouterr().out)
     assert report["profile"]["num_samples"] == 5 and report["num_gpu_blocks"] > 0

@@ -271,7 +271,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port, log = _free_port(), tmp_path_factory.mktemp("live") / "server.log"
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enforce-eager"],
                                 stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
     try:
         why = _wait_ready(proc, url, log, limit_s=300)

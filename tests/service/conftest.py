@@ -204,11 +204,14 @@ class LiveServer:
         return self.process.wait(timeout)
 
 
-def start_live_server(tmp: Path, *args: str, timeout: float = 240.0) -> LiveServer:
-    """Start `stepserve serve` on a free port and wait for /health 200."""
+def start_live_server(tmp: Path, *args: str, timeout: float = 240.0, compiled: bool = False) -> LiveServer:
+    """Start `stepserve serve` on a free port and wait for /health 200. The forward runs
+    eagerly unless `compiled` (compiling takes a minute of the suite's two cores; the
+    compiled path has its own end-to-end test)."""
     port = free_port()
     log_path = tmp / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints", *args]
+    eager = () if compiled else ("--enforce-eager",)
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints", *eager, *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = LiveServer(proc, port, log_path)
@@ -231,8 +234,8 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
     """`start_server(tmp_path, *flags)`; any server still running at the end is killed."""
     started: list[LiveServer] = []
 
-    def start(tmp: Path, *args: str) -> LiveServer:
-        server = start_live_server(tmp, *args)
+    def start(tmp: Path, *args: str, compiled: bool = False) -> LiveServer:
+        server = start_live_server(tmp, *args, compiled=compiled)
         started.append(server)
         return server
 
@@ -241,6 +244,15 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+
+
+@pytest.fixture(scope="module")
+def default_live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """`stepserve serve` on its defaults, compiled forward included (one per test module)."""
+    server = start_live_server(tmp_path_factory.mktemp("defaults"), "--max-num-seqs", "16", timeout=600.0, compiled=True)
+    yield server
+    code = server.stop()
+    assert code == 0, server.log()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import torch
 
 from scheduler.sampling import SamplingParams
 from worker.attention import StepAttention, TorchAttention
-from worker.cpu_attention import SMALL_QUERY, available, isa_flags
+from worker.cpu_attention import SMALL_QUERY
+from worker.cpu_kernels import available, isa_flags
 from worker.input_batch import InputBatch, RequestState
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"cpu attention unavailable: {available()[1]}")

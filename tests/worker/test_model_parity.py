@@ -173,7 +173,7 @@ def test_flash_attn_backend_request_is_checked() -> None:
 
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device"):
         make_attention_backend("flash_attn", torch.device("cpu"), 16, torch.float32)
-    from worker.cpu_attention import available
+    from worker.cpu_kernels import available
 
     # on CPU, auto takes the C++ backend wherever it builds, the portable one otherwise
     expected = "cpu" if available()[0] else "torch"

@@ -1,0 +1,87 @@
+"""Starting servers for the side-by-side benchmarks: a fresh `stepserve serve` or llama.cpp's
+`llama-server` on a free port, and `stepserve bench` against it (its JSON summary back)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_DEFAULT = Path.home() / ".cache/stepserve-bench/build/bin/llama-server"
+BUILD_HINT = "build it with: bash ../shared/tools/build-llama-server.sh (it prints the binary's path)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+def llama_server_binary(given: str | None) -> Path | None:
+    """The llama-server to run ('auto' or None: the build script's), or None if absent."""
+    binary = LLAMA_DEFAULT if given in (None, "auto") else Path(given)
+    return binary if binary.is_file() else None
+
+
+def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--num-threads", str(threads), *flags]
+
+
+def llama_cmd(binary: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
+    from worker.loader import find_default_model
+
+    return [str(binary), "-m", str(find_default_model()), "--port", str(port), "--host", "127.0.0.1",
+            "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb"]
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, log: Path | None = None) -> Iterator[str]:
+    """Start `cmd` (a server on `port`), wait for /health, yield its URL, stop it."""
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
+
+
+def load(url: str, workload: list[str], out: Path, keys: tuple[str, ...], model: str | None = None) -> dict[str, Any]:
+    """`stepserve bench` with `workload` flags against `url`; the summary's `keys`."""
+    cmd = [sys.executable, "-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
+           *(["--model", model] if model else []), *workload]
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    sys.stderr.write(done.stdout)
+    data = json.loads(out.read_text())
+    return {k: data.get(k) for k in keys}

@@ -1,0 +1,91 @@
+"""Worker threads against a busy neighbour: one decode step of the default model (batch 1 and
+8, 128 tokens of context), with 1 or all threads, OpenMP's default wait policy or PASSIVE,
+alone or beside a process that keeps one core busy (as the front door does under load).
+
+Spinning OpenMP barriers are the known way this collapses: a thread that spins while its
+sibling is preempted wastes the core the sibling needs. Each combination runs in a fresh
+process (the wait policy is read at OpenMP start-up). Prints JSON, with each combination's
+step time relative to the all-threads, default-policy, no-neighbour one.
+
+    python bench/threads.py [--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
+from worker_step import Bench, median, start_decodes, time_once
+from worker.config import WorkerConfig
+from worker.model_runner import ModelRunner
+r = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28, num_threads={threads},
+                             enforce_eager={eager}))
+b = Bench(r)
+out = {{}}
+with torch.inference_mode():
+    for batch in (1, 8):
+        ids = start_decodes(b, batch, 128)
+        for _ in range(3):
+            r.execute(b.plan({{}}, dict.fromkeys(ids, 1)))
+        out[batch] = median([time_once(lambda: r.execute(b.plan({{}}, dict.fromkeys(ids, 1))), r.device) for _ in range(25)])
+        b.finish(ids)
+print(json.dumps(out))
+"""
+
+
+def _spin(stop: float) -> None:
+    while time.monotonic() < stop:
+        pass
+
+
+def measure(threads: int, passive: bool, neighbour: bool, eager: bool) -> dict[str, float]:
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    code = CHILD.format(root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager)
+    spinner = None
+    if neighbour:
+        spinner = multiprocessing.Process(target=_spin, args=(time.monotonic() + 600,), daemon=True)
+        spinner.start()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    finally:
+        if spinner is not None:
+            spinner.terminate()
+            spinner.join()
+    return {f"batch_{k}_ms": round(v * 1e3, 2) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--enforce-eager", action="store_true", help="time the eager forward (quicker start-up)")
+    args = ap.parse_args(argv)
+    cores = os.cpu_count() or 2
+    rows = []
+    for neighbour in (False, True):
+        for threads in sorted({1, cores}):
+            for passive in (False, True):
+                rows.append({"threads": threads, "omp_wait_policy": "PASSIVE" if passive else "default",
+                             "busy_neighbour": neighbour, **measure(threads, passive, neighbour, args.enforce_eager)})
+    base = next(r for r in rows if r["threads"] == cores and r["omp_wait_policy"] == "default" and not r["busy_neighbour"])
+    for r in rows:
+        for key in ("batch_1_ms", "batch_8_ms"):
+            r[key.replace("_ms", "_vs_base")] = round(r[key] / base[key], 3)
+    print(json.dumps({"benchmark": "threads", "cores": cores, "compiled": not args.enforce_eager, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""stepserve against llama.cpp's `llama-server`, side by side in one run, on the same GGUF file.
+
+Each server is started fresh, in turn, with the same number of threads, and gets the same
+seeded requests from `stepserve bench` (OpenAI /v1/completions, streamed, exact output
+lengths):
+
+    single      one stream at a time: 32-token prompts -> 128 tokens (TPOT, TTFT)
+    prefill     one at a time: 1,000-token prompts -> 1 token (prefill tokens/s from TTFT)
+    saturating  64 requests of mixed lengths sent at once (total and output tokens/s, ITL, TTFT)
+    poisson     48 requests at a Poisson rate (TTFT, ITL, TPOT)
+
+Prints JSON: both summaries per scenario and stepserve / llama-server ratios. The binary is
+the one `../shared/tools/build-llama-server.sh` builds (or `--llama-server PATH`); when it is
+absent the bench says how to build it and exits 2.
+
+    python bench/vs_llamacpp.py                     # all scenarios (a quiet machine: ~10 min)
+    python bench/vs_llamacpp.py --scenarios single --stepserve-flags --enforce-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.servers import (  # noqa: E402
+    BUILD_HINT,
+    free_port,
+    llama_cmd,
+    llama_server_binary,
+    load,
+    running,
+    stepserve_cmd,
+)
+
+KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "total_token_throughput",
+        "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms")
+SCENARIOS: dict[str, list[str]] = {
+    "single": ["--num-prompts", "8", "--prompt-len", "32", "--output-len", "128", "--max-concurrency", "1",
+               "--request-rate", "inf"],
+    "prefill": ["--num-prompts", "6", "--prompt-len", "1000", "--output-len", "1", "--max-concurrency", "1",
+                "--request-rate", "inf"],
+    "saturating": ["--num-prompts", "64", "--prompt-len", "uniform:20:600", "--output-len", "uniform:32:256",
+                   "--request-rate", "inf"],
+    "poisson": ["--num-prompts", "48", "--prompt-len", "uniform:20:600", "--output-len", "uniform:32:256",
+                "--request-rate", "1.5"],
+}
+# ratio name -> (summary key, scenario, higher is better)
+RATIOS = {
+    "single_tpot": ("median_tpot_ms", "single", False),
+    "single_ttft": ("median_ttft_ms", "single", False),
+    "prefill_tokens_per_s": ("prefill_tokens_per_s", "prefill", True),
+    "saturating_total_tokens_per_s": ("total_token_throughput", "saturating", True),
+    "saturating_output_tokens_per_s": ("output_throughput", "saturating", True),
+    "saturating_itl_p50": ("median_itl_ms", "saturating", False),
+    "saturating_itl_p99": ("p99_itl_ms", "saturating", False),
+    "saturating_ttft_p50": ("median_ttft_ms", "saturating", False),
+    "poisson_ttft_p50": ("median_ttft_ms", "poisson", False),
+    "poisson_itl_p99": ("p99_itl_ms", "poisson", False),
+    "poisson_tpot": ("median_tpot_ms", "poisson", False),
+}
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model and its vector flags (reported with every run: CPUs change between sessions)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def _with_prefill_rate(summary: dict[str, Any], scenario: str) -> dict[str, Any]:
+    if scenario == "prefill" and summary.get("median_ttft_ms") and summary.get("completed"):
+        prompt = summary["total_input_tokens"] / summary["completed"]
+        summary["prefill_tokens_per_s"] = round(prompt / (summary["median_ttft_ms"] / 1e3), 1)
+    return summary
+
+
+def run_all(cmd: list[str], port: int, scenarios: list[str], tmp: Path, name: str) -> dict[str, Any]:
+    """One fresh server for all scenarios, in order."""
+    out: dict[str, Any] = {}
+    with running(cmd, port, tmp / f"{name}.log") as url:
+        for scenario in scenarios:
+            summary = load(url, [*SCENARIOS[scenario], "--seed", "1"], tmp / f"{name}-{scenario}.json", KEYS)
+            out[scenario] = _with_prefill_rate(summary, scenario)
+    return out
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """stepserve / llama-server for each figure (a time ratio < 1 or a rate ratio > 1 is ours winning)."""
+    out: dict[str, Any] = {}
+    for name, (key, scenario, _) in RATIOS.items():
+        a, b = ours.get(scenario, {}).get(key), theirs.get(scenario, {}).get(key)
+        out[name] = round(a / b, 3) if a is not None and b else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", default="auto", help="path to llama-server ('auto': the build script's)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="each server's threads (default: all cores)")
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--stepserve-flags", nargs=argparse.REMAINDER, default=[],
+                    help="extra `stepserve serve` flags (last on the command line)")
+    ap.add_argument("--slots", type=int, default=64, help="llama-server's parallel slots (-np)")
+    ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    args = ap.parse_args(argv)
+    binary = llama_server_binary(args.llama_server)
+    if binary is None:
+        print(f"bench/vs_llamacpp.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="stepserve-vs-llamacpp-"))
+    port = free_port()
+    llama = run_all(llama_cmd(binary, port, args.threads, args.slots, args.ctx_per_slot), port, args.scenarios, tmp,
+                    "llama-server")
+    port = free_port()
+    ours = run_all(stepserve_cmd(port, args.threads, args.stepserve_flags), port, args.scenarios, tmp, "stepserve")
+    log = (tmp / "stepserve.log").read_text(errors="replace")
+    chosen = [line.split("stepserve.worker: ", 1)[1] for line in log.splitlines()
+              if "stepserve.worker: kernels:" in line or "stepserve.worker: forward:" in line]
+    print(json.dumps({"benchmark": "vs_llamacpp", "cpu": cpu_info(), "threads": args.threads,
+                      "stepserve_flags": args.stepserve_flags, "stepserve_worker": chosen,
+                      "scenarios": {s: SCENARIOS[s] for s in args.scenarios},
+                      "llama_server": llama, "stepserve": ours, "ratios_stepserve_over_llama": ratios(ours, llama),
+                      "logs": str(tmp)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

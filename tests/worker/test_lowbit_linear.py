@@ -1,0 +1,97 @@
+"""The GGUF Q4 / Q8 kernel (csrc/lowbit_linear.cpp) against float64 products with the
+dequantized weight: every row-count path (1 row, the paired-row path for few tokens, the
+tiled path for many), output counts that leave a tail, Q4_0 / Q4_1 / Q8_0 as loaded from
+GGUF bytes, bias, and the errors for shapes it cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker.cpu_kernels import available
+from worker.linear import GGUFLinear, make_linear, pack_nibbles
+from worker.quant import from_gguf, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not available()[0], reason=f"CPU kernels unavailable: {available()[1]}")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    # float32 accumulation over K products: relative to the size of the terms summed
+    scale = ref.abs().max().item() + 1e-6
+    assert (y.double() - ref).abs().max().item() <= 2e-5 * scale
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("n", [48, 49, 7])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_kernel_matches_dequantized_product(kind: str, n: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(n * 100 + m)
+    k = 192
+    w = torch.randn(n, k, generator=gen)
+    q = quantize_int4(w) if kind == "int4" else quantize_int8(w, 32)
+    layer = GGUFLinear.from_quantized(q)
+    x = torch.randn(m, k, generator=gen)
+    _check(layer(x), _reference(x, q.dequantize()))
+
+
+def test_bias_and_non_contiguous_input() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    q = quantize_int4(w)
+    layer = make_linear(q, torch.float32, bias)
+    assert isinstance(layer, GGUFLinear)
+    x = torch.randn(96, 6, generator=gen).T  # [6, 96], a transposed view
+    assert not x.is_contiguous()
+    _check(layer(x), _reference(x, q.dequantize(), bias))
+
+
+def _gguf_bytes(kind: str, n: int, k: int, gen: np.random.Generator) -> np.ndarray:
+    """Random blocks laid out as GGUF stores them (f16 scales, packed nibbles / int8 codes)."""
+    blocks = n * k // 32
+    d = gen.uniform(0.001, 0.05, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    if kind == "Q8_0":
+        return np.concatenate([d, gen.integers(0, 256, (blocks, 32), dtype=np.uint8)], axis=1)
+    nibbles = gen.integers(0, 256, (blocks, 16), dtype=np.uint8)
+    if kind == "Q4_0":
+        return np.concatenate([d, nibbles], axis=1)
+    mins = gen.uniform(-0.3, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    return np.concatenate([d, mins, nibbles], axis=1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_as_stored(kind: str) -> None:
+    gen = np.random.default_rng(7)
+    n, k = 33, 128
+    weight = from_gguf(kind, _gguf_bytes(kind, n, k, gen), n, k)
+    layer = GGUFLinear.from_quantized(weight)
+    if weight.kind == "int4":  # the kernel reads the nibbles exactly as the file packs them
+        raw = _gguf_bytes(kind, n, k, np.random.default_rng(7)).reshape(n, k // 32, -1)[..., -16:]
+        assert torch.equal(layer.codes, torch.from_numpy(raw.reshape(n, k // 2)))
+    x = torch.from_numpy(gen.standard_normal((3, k)).astype(np.float32))
+    _check(layer(x), _reference(x, weight.dequantize()))
+
+
+def test_pack_nibbles_layout() -> None:
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
+    packed = pack_nibbles(q)
+    assert packed.shape == (1, 16)
+    assert [int(b) & 0x0F for b in packed[0]] == list(range(16))
+    assert [int(b) >> 4 for b in packed[0]] == list(range(16))
+
+
+def test_rejects_shapes_it_cannot_run() -> None:
+    q = quantize_int8(torch.randn(8, 64), 32)
+    layer = GGUFLinear.from_quantized(q)
+    with pytest.raises(RuntimeError, match="must be"):
+        layer(torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.stepserve_cpu.lowbit_linear(torch.randn(2, 48), layer.codes, layer.scales, layer.offsets, 8)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        GGUFLinear.from_quantized(quantize_int8(torch.randn(8, 64), 64))
