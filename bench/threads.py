@@ -1,13 +1,14 @@
 """Worker threads against a busy neighbour: one decode step of the default model (batch 1 and
-8, 128 tokens of context), with 1 or all threads, OpenMP's default wait policy or PASSIVE,
-alone or beside a process that keeps one core busy (as the front door does under load).
+8, 128 tokens of context), with 1 or all threads, under OpenMP wait policies (the default,
+PASSIVE, or a bounded spin `spin:N` = GOMP_SPINCOUNT=N), alone or beside a process that
+keeps one core busy (as the front door does under load).
 
 Spinning OpenMP barriers are the known way this collapses: a thread that spins while its
 sibling is preempted wastes the core the sibling needs. Each combination runs in a fresh
 process (the wait policy is read at OpenMP start-up). Prints JSON, with each combination's
 step time relative to the all-threads, default-policy, no-neighbour one.
 
-    python bench/threads.py [--enforce-eager]
+    python bench/threads.py [--enforce-eager] [--policies default PASSIVE spin:10000] [--threads 2]
 """
 
 from __future__ import annotations
@@ -49,11 +50,16 @@ def _spin(stop: float) -> None:
         pass
 
 
-def measure(threads: int, passive: bool, neighbour: bool, eager: bool) -> dict[str, float]:
+def measure(threads: int, policy: str, neighbour: bool, eager: bool) -> dict[str, float]:
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if passive:
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(key, None)
+    if policy == "PASSIVE":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif policy.startswith("spin:"):
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin:")
+    elif policy != "default":
+        raise SystemExit(f"unknown policy {policy!r} (default, PASSIVE or spin:N)")
     code = CHILD.format(root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager)
     spinner = None
     if neighbour:
@@ -71,15 +77,20 @@ def measure(threads: int, passive: bool, neighbour: bool, eager: bool) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--enforce-eager", action="store_true", help="time the eager forward (quicker start-up)")
+    ap.add_argument("--policies", nargs="+", default=["default", "PASSIVE"],
+                    help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline")
+    ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 2
+    counts = sorted(set(args.threads or {1, cores}))
     rows = []
     for neighbour in (False, True):
-        for threads in sorted({1, cores}):
-            for passive in (False, True):
-                rows.append({"threads": threads, "omp_wait_policy": "PASSIVE" if passive else "default",
-                             "busy_neighbour": neighbour, **measure(threads, passive, neighbour, args.enforce_eager)})
-    base = next(r for r in rows if r["threads"] == cores and r["omp_wait_policy"] == "default" and not r["busy_neighbour"])
+        for threads in counts:
+            for policy in args.policies:
+                rows.append({"threads": threads, "omp_wait_policy": policy,
+                             "busy_neighbour": neighbour, **measure(threads, policy, neighbour, args.enforce_eager)})
+    base = next(r for r in rows if r["threads"] == counts[-1] and r["omp_wait_policy"] == args.policies[0]
+                and not r["busy_neighbour"])
     for r in rows:
         for key in ("batch_1_ms", "batch_8_ms"):
             r[key.replace("_ms", "_vs_base")] = round(r[key] / base[key], 3)

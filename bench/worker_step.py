@@ -4,12 +4,20 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python bench/worker_step.py                        # default SmolLM2 GGUF on this CPU
     python bench/worker_step.py --dtype bfloat16 --compare-dtypes
     python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
+    python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
 params (no embedding, no head) * tokens / matmul rate; attention FLOPs are left out. The
 fractions are roofline time / measured time; the machine rates are measured in the same run,
 on square 1024 matmuls on CPU, so a model's larger matmuls can beat them (fraction > 1).
+
+`--breakdown` adds, per decode batch (and one prefill chunk), the wall time of each phase
+of `ModelRunner.execute` (plan application, input preparation, attention metadata, forward,
+logits, sampler, advance), the eager forward's operators grouped by the torch profiler into
+matmuls / attention / KV writes and gathers / other ops (self time, profiler overhead
+included), and the IPC round trip of a plan through the worker process (measured with the
+instant runner behind the same pipe, so only pickling and the pipe count).
 
 Every step shape is timed once per round, over `--repeat` rounds, and its median kept.
 `steps` lists every measured shape (also those at the extra `--context` / `--chunk-context`
@@ -19,9 +27,11 @@ values), which is what `stepserve simulate calibrate` fits a hardware profile to
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scheduler.kv_manager import cdiv  # noqa: E402
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from scheduler.sampling import SamplingParams  # noqa: E402
-from worker.config import WorkerConfig  # noqa: E402
+from worker.config import WorkerConfig, WorkerInfo  # noqa: E402
 from worker.loader import expected_shapes  # noqa: E402
 from worker.model_config import ModelConfig  # noqa: E402
 from worker.model_runner import ModelRunner, resolve_device, resolve_dtype  # noqa: E402
@@ -102,10 +112,12 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
 class Bench:
     """Drives one runner with hand-built plans (the bench's own tiny scheduler)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, info: WorkerInfo | None = None) -> None:
+        """`info`: plan for a worker other than `runner` (the worker process's)."""
         self.runner = runner
-        self.bs = runner.info.block_size
-        self.free = list(range(runner.info.num_gpu_blocks))
+        info = info or runner.info
+        self.bs = info.block_size
+        self.free = list(range(info.num_gpu_blocks))
         self.step_id = 0
         self.live: dict[str, list[int]] = {}  # req id -> blocks
         self.computed: dict[str, int] = {}
@@ -219,8 +231,7 @@ def build_runner(args: argparse.Namespace) -> ModelRunner:
 def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, Any]:
     """Decode and prefill numbers for one runner, with roofline fractions."""
     info, bench = runner.info, Bench(runner)
-    elem = torch.empty((), dtype=runner.dtype).element_size()
-    weight_bytes = info.num_params * elem
+    weight_bytes = info.weight_bytes or info.num_params * torch.empty((), dtype=runner.dtype).element_size()
     c = runner.model_config
     head_params = c.vocab_size * c.hidden_size
     matmul_params = info.num_params - head_params * (1 if c.tie_word_embeddings else 2)  # no embedding, no head
@@ -246,7 +257,163 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
                 "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
                 "roofline_ms": round(bound * 1e3, 2), "roofline_fraction": round(bound / seconds, 3),
             }
-    return {"dtype": info.dtype, "decode": decode, "prefill": prefill, "steps": steps}
+    return {"dtype": info.dtype, "quantization": info.quantization, "compiled": info.compiled,
+            "weight_bytes": weight_bytes, "decode": decode, "prefill": prefill, "steps": steps}
+
+
+# ---- --breakdown ----------------------------------------------------------------------------
+
+_OP_GROUPS = (  # profiler op names (substrings) -> group; first match wins
+    ("kv", ("index_copy", "index_select", "index_put", "set_kv_cache", "bind_step")),
+    ("attention", ("paged_attention", "scaled_dot_product", "flash_attention", "_efficient_attention")),
+    ("matmul", ("lowbit_linear", "aten::mm", "aten::addmm", "aten::bmm", "_weight_int8pack_mm",
+                "_weight_int4pack_mm", "mkldnn", "aten::linear", "aten::matmul")),
+)
+
+
+def _op_group(name: str) -> str:
+    return next((group for group, keys in _OP_GROUPS if any(k in name for k in keys)), "other")
+
+
+class PhaseTimer:
+    """Wall time of each phase of `runner.execute`, by wrapping the bound methods it calls."""
+
+    PHASES = (("batch", "apply", "apply_plan"), ("batch", "prepare", "prepare_inputs"),
+              ("batch", "attention_metadata", "attention_metadata"), ("attention", "bind", "attention_metadata"),
+              ("", "forward", "forward"), ("model", "compute_logits", "logits"), ("sampler", "sample", "sampler"),
+              ("batch", "advance", "advance"))
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.ms: dict[str, float] = defaultdict(float)
+        self.saved: list[tuple[Any, str, Any]] = []
+        for owner_name, attr, phase in self.PHASES:
+            owner = getattr(runner, owner_name) if owner_name else runner
+            self._wrap(owner, attr, phase)
+
+    def _wrap(self, owner: Any, attr: str, phase: str) -> None:
+        inner = getattr(owner, attr)
+        self.saved.append((owner, attr, owner.__dict__.get(attr)))
+
+        def timed_call(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.ms[phase] += (time.perf_counter() - start) * 1e3
+
+        setattr(owner, attr, timed_call)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self.saved):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+
+def _phases(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int) -> dict[str, float]:
+    """Mean ms per step of each phase over `steps` steps (the step total, and what no phase holds)."""
+    runner = bench.runner
+    runner.execute(make_plan())  # warm-up
+    timer = PhaseTimer(runner)
+    total = 0.0
+    try:
+        for _ in range(steps):
+            total += timed_execute(bench, make_plan()) * 1e3
+    finally:
+        timer.restore()
+    out = {phase: round(ms / steps, 3) for phase, ms in timer.ms.items()}
+    out["step_total"] = round(total / steps, 3)
+    out["unaccounted"] = round((total - sum(timer.ms.values())) / steps, 3)
+    return out
+
+
+def _forward_ops(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int) -> dict[str, float]:
+    """The eager forward's operators per step (self CPU ms, torch profiler), by group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = bench.runner
+    compiled_forward = runner.forward
+    runner.forward = runner.model.forward  # the profiler sees eager operators, not a compiled graph
+    try:
+        runner.execute(make_plan())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.execute(make_plan())
+    finally:
+        runner.forward = compiled_forward
+    groups: dict[str, float] = defaultdict(float)
+    ops: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        group = _op_group(event.key)
+        groups[group] += event.self_cpu_time_total / 1e3 / steps
+        ops[group] += event.count // steps
+    return {**{f"{g}_ms": round(v, 3) for g, v in sorted(groups.items())},
+            **{f"{g}_ops": n for g, n in sorted(ops.items())}}
+
+
+def ipc_round_trip_ms(batch: int, steps: int = 100) -> dict[str, float]:
+    """A decode plan of `batch` requests through the worker process's pipe, with the instant
+    runner behind it: round trip minus the worker's own execute time is the IPC cost."""
+    from worker.client import WorkerClient
+    from worker.process import INSTANT_RUNNER_FACTORY
+
+    async def run() -> dict[str, float]:
+        client = WorkerClient(WorkerConfig(device="cpu", kv_cache_memory=4 << 30), INSTANT_RUNNER_FACTORY)
+        await client.start()
+        try:
+            fake = Bench(None, client.info)  # type: ignore[arg-type]  # plans only, run by the client
+            reqs = prompts(batch, 32, client.info.vocab_size, seed=7)
+            client.submit(fake.plan(reqs, {}))
+            await client.get_output()
+            trips, executes = [], []
+            for _ in range(steps):
+                plan = fake.plan({}, dict.fromkeys(reqs, 1))
+                start = time.perf_counter()
+                client.submit(plan)
+                out = await client.get_output()
+                trips.append(time.perf_counter() - start)
+                executes.append(out.execute_time)
+        finally:
+            await client.shutdown()
+        return {"round_trip_ms": round(median(trips) * 1e3, 3), "worker_execute_ms": round(median(executes) * 1e3, 3),
+                "ipc_ms": round((median(trips) - median(executes)) * 1e3, 3)}
+
+    return asyncio.run(run())
+
+
+def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
+    """Phase and operator breakdown of decode steps at each `--batches` size (first
+    `--context`) and of one prefill chunk (first `--chunks`)."""
+    bench, context, out = Bench(runner), args.context[0], {}
+    for batch in args.batches:
+        ids = start_decodes(bench, batch, context)
+
+        def decode_plan(ids: list[str] = ids) -> SchedulerOutput:
+            return bench.plan({}, dict.fromkeys(ids, 1))
+
+        steps = max(3, min(20, 400 // batch))
+        out[f"decode_{batch}"] = {"phases_ms": _phases(bench, decode_plan, steps),
+                                  "eager_forward_ops": _forward_ops(bench, decode_plan, max(2, steps // 4)),
+                                  "ipc": ipc_round_trip_ms(batch)}
+        bench.finish(ids)
+    tokens = args.chunks[0]
+    holder: list[str] = []
+
+    def prefill_plan() -> SchedulerOutput:  # a fresh prompt each step; the last one finishes in it
+        done = frozenset(holder)
+        for rid in holder:
+            bench.free += bench.live.pop(rid)
+            del bench.computed[rid]
+        reqs = prompts(1, tokens, runner.info.vocab_size, seed=bench.step_id)
+        holder[:] = list(reqs)
+        return bench.plan(reqs, {}, finished=done)
+
+    out[f"prefill_{tokens}"] = {"phases_ms": _phases(bench, prefill_plan, 3),
+                                "eager_forward_ops": _forward_ops(bench, prefill_plan, 2)}
+    bench.finish_all()
+    return out
 
 
 def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
@@ -286,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU KV cache size; every decode batch stays cached for the whole run "
                              "(the default grid needs ~2.2 GiB with SmolLM2 in fp32)")
     parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also break each decode batch's step (and one prefill chunk) into phases and operator groups")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
@@ -299,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context[0], "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
         "machine_units": "GFLOP/s and GB/s", "results": [measure(runner, args, rates)],
     }
+    if args.breakdown:
+        report["breakdown"] = breakdown(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

@@ -77,16 +77,24 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face Llama-family directory (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation, weight and KV dtype (auto: bfloat16 on CUDA; on CPU bfloat16 only where a "
-                        "start-up probe measures its matmuls faster than float32's, else float32)")
+                   help="activation and KV dtype (auto: bfloat16 on CUDA; on CPU float32 for a GGUF model, whose "
+                        "bfloat16 forms fail the accuracy gate, else bfloat16 only where a start-up probe measures "
+                        "its matmuls faster than float32's)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
-                   help="weight form on CPU: gguf runs a GGUF file's Q4_0/Q4_1 as int4 and Q8_0 as int8 kernels; "
-                        "int8/int4 quantize any model at load; auto: gguf for a GGUF file where the probe measures "
-                        "its kernels faster, else none. Low-bit forms run in bfloat16. Reference numerics (greedy "
-                        "equal to transformers, batch invariance): --dtype float32 --quantization none --enforce-eager")
+                   help="weight form on CPU. gguf: a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored, through "
+                        "stepserve's C++ kernel, float32 activations (exact: the same weights as dequantizing); "
+                        "int8/int4: torch's weight-only kernels, bfloat16 activations (any model; lossy); none: "
+                        "dense. auto: gguf for a GGUF file where the probe measures it faster than dense float32")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model eagerly (no torch.compile); by default the forward is compiled at start-up "
-                        "where a C++ compiler is found")
+                        "where a C++ compiler is found and kept where it measures faster")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise batch invariance: a request's logits are the same alone, batched, chunked, "
+                        "preempted or swapped (every attention through the C++ kernel; long prefills ~20%% slower). "
+                        "Needs quantization gguf and the C++ CPU attention. Without it greedy outputs agree in "
+                        "practice but logits may differ in the last bits once a chunk exceeds 16 tokens; the "
+                        "reference mode (--dtype float32 --quantization none --enforce-eager, equal to "
+                        "transformers) is not bitwise invariant either (dense BLAS blocks by batch size)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flash_attn"],
                    help="attention kernels (auto: flash-attn on CUDA when importable; on CPU the C++ paged kernel "

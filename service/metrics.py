@@ -94,9 +94,10 @@ class ServiceMetrics:
         self.worker = Info("stepserve:worker", "How the worker runs the model (chosen at start-up).", labels, registry=r).labels(model_name)
 
     def set_worker(self, *, device: str, dtype: str, quantization: str, compiled: bool, attention_backend: str,
-                   num_threads: int) -> None:
+                   num_threads: int, batch_invariant: bool = False) -> None:
         self.worker.info({"device": device, "dtype": dtype, "quantization": quantization, "compiled": str(compiled).lower(),
-                          "attention_backend": attention_backend, "num_threads": str(num_threads)})
+                          "attention_backend": attention_backend, "num_threads": str(num_threads),
+                          "batch_invariant": str(batch_invariant).lower()})
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Refresh gauges and cumulative counters from a scheduler snapshot."""

@@ -37,6 +37,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=a["dtype"],
         quantization=a["quantization"],
         enforce_eager=a["enforce_eager"],
+        batch_invariant=a["batch_invariant"],
         device=a["device"],
         block_size=a["block_size"],
         max_model_len=a["max_model_len"],
@@ -115,7 +116,8 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
         name = a["served_model_name"] or info.model_name
         metrics = ServiceMetrics(name)
         metrics.set_worker(device=info.device, dtype=info.dtype, quantization=info.quantization, compiled=info.compiled,
-                           attention_backend=info.attention_backend, num_threads=info.num_threads)
+                           attention_backend=info.attention_backend, num_threads=info.num_threads,
+                           batch_invariant=info.batch_invariant)
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,

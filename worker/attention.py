@@ -305,11 +305,13 @@ def flash_attn_available() -> bool:
 
 
 def make_attention_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """`auto`: flash_attn on CUDA (in fp16/bf16) when importable; on CPU the C++ `cpu`
     backend when it builds here, else torch. Asking for an unavailable backend raises a
-    clear error instead of silently falling back."""
+    clear error instead of silently falling back. `batch_invariant`: the C++ kernel for
+    every chunk (see `worker.cpu_attention`)."""
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         name = _auto_backend(device, half)
@@ -320,7 +322,7 @@ def make_attention_backend(
             raise ValueError(f"attention_backend=cpu needs the CPU and float32/bfloat16, got {device} {dtype}")
         from worker.cpu_attention import CpuPagedAttention
 
-        return CpuPagedAttention()
+        return CpuPagedAttention(batch_invariant)
     if name == "flash_attn":
         if device.type != "cuda" or not half:
             raise ValueError(f"attention_backend=flash_attn needs a CUDA device and float16/bfloat16, got {device} {dtype}")

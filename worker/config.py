@@ -19,6 +19,9 @@ class WorkerConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU what the start-up probe measures faster
     quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.weight_form)
     enforce_eager: bool = False  # True: no torch.compile
+    # True: every attention goes through the C++ kernel (no SDPA for long chunks), so with the
+    # GGUF kernel a request's logits are bitwise the same alone, batched, chunked or recomputed
+    batch_invariant: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -52,6 +55,11 @@ class WorkerConfig:
             )
         if self.quantization == "gguf" and self.dtype in ("bfloat16", "float16"):
             raise ValueError(f"quantization=gguf runs with float32 activations; dtype={self.dtype} needs quantization none, int8 or int4")
+        if self.batch_invariant and (self.quantization in ("none", "int8", "int4") or self.attention_backend in ("torch", "flash_attn")):
+            raise ValueError(
+                "batch_invariant needs the GGUF kernel and the C++ CPU attention (quantization auto or gguf, attention "
+                f"auto or cpu); got quantization={self.quantization}, attention_backend={self.attention_backend}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
@@ -76,6 +84,7 @@ class WorkerInfo:
     num_params: int
     quantization: str = "none"
     compiled: bool = False
+    batch_invariant: bool = False
     num_threads: int = 1
     weight_bytes: int = 0  # bytes of weights one step reads
     extra: dict[str, str] = field(default_factory=dict)  # the start-up probe's measurements

@@ -14,8 +14,12 @@ from worker.attention import AttentionMetadata, KVCacheLayer
 from worker.cpu_kernels import available
 
 # A request with at most this many query tokens attends through the C++ kernel (each token
-# its own work item); longer chunks through SDPA, whose blocked kernel wins there.
+# its own work item); longer chunks through SDPA, whose blocked kernel wins there (a
+# 1,024-token prefill measured 19 % faster). SDPA sums in another order than the kernel, so
+# a chunk's output then depends on how the prompt was chunked: batch-invariant mode sends
+# every chunk through the kernel.
 SMALL_QUERY = 16
+ALL_QUERIES = 1 << 62
 
 
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -28,17 +32,18 @@ class CpuPagedAttention:
     name = "cpu"
     op = staticmethod(paged_attention_op)
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
+        self.small_query = ALL_QUERIES if batch_invariant else SMALL_QUERY
 
     def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
         torch.ops.stepserve_cpu.set_kv_cache([k for k, _ in kv_layers], [v for _, v in kv_layers])
 
     def bind(self, meta: AttentionMetadata) -> None:
         torch.ops.stepserve_cpu.bind_step(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, SMALL_QUERY)
+                                          meta.block_tables, self.small_query)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         return torch.ops.stepserve_cpu.paged_attention(q, k, v, layer)

@@ -97,7 +97,13 @@ class ModelRunner:
         native = self.kernels.quantization != "none" and path.suffix == ".gguf"
         model_config, weights = loaded if loaded is not None else load_weights(path, self.dtype, native)
         self.model_config = model_config
-        backend = make_attention_backend(config.attention_backend, self.device, config.block_size, self.dtype)
+        backend = make_attention_backend(config.attention_backend, self.device, config.block_size, self.dtype,
+                                         config.batch_invariant)
+        if config.batch_invariant and (self.kernels.quantization != "gguf" or backend.name != "cpu"):
+            raise ValueError(
+                "batch-invariant mode needs the GGUF kernel (a GGUF model with Q4_0/Q4_1/Q8_0 weights, float32) and "
+                f"the C++ CPU attention; this worker chose quantization {self.kernels.quantization} and "
+                f"{backend.name} attention")
         self.model = self._build_model(weights)
         self.kv_cache = self._make_kv_cache()
         self.attention = StepAttention(backend, self.kv_cache.layers())
@@ -215,6 +221,7 @@ class ModelRunner:
             num_threads=torch.get_num_threads(),
             weight_bytes=self.model.weight_bytes,
             compiled=self.compiled,
+            batch_invariant=self.config.batch_invariant,
             extra={"forward": self.compile_note, **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()}},
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )

@@ -132,3 +132,78 @@ def test_compiled_forward_matches_eager(fast_runner: Any, smol_tokenizer: Any) -
         else:  # bf16: fusions keep float32 intermediates that eager rounds to bf16
             torch.testing.assert_close(compiled, eager, atol=0.25, rtol=0.05)
             assert (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+
+
+def _logits_by_step(runner: Any, prompts: list[list[int]], **cfg: Any) -> dict[tuple[str, int], torch.Tensor]:
+    """Greedy runs of `prompts` planned by the real scheduler; the logits each request
+    sampled from, keyed by (request, tokens generated before)."""
+    from sched_driver import drive
+
+    from scheduler import Request, Scheduler, SchedulerConfig
+
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    compute_logits, run = runner.model.compute_logits, runner.run
+    last: list[torch.Tensor] = []
+
+    def keep_logits(hidden: torch.Tensor) -> torch.Tensor:
+        last[:] = [compute_logits(hidden)]
+        return last[0]
+
+    def record(step: Any) -> Any:
+        out = run(step)
+        for i, state in enumerate(step.sampling_states):
+            seen[(state.req_id, len(state.output_token_ids))] = last[0][i].clone()
+        return out
+
+    base: dict[str, Any] = {"max_num_batched_tokens": 512, "num_gpu_blocks": runner.info.num_gpu_blocks,
+                            "block_size": runner.info.block_size, "max_model_len": runner.max_model_len, **cfg}
+    sched = Scheduler(SchedulerConfig(**base))
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                  arrival_time=float(i)))
+    runner.model.compute_logits, runner.run = keep_logits, record
+    try:
+        drive(sched, runner)
+    finally:
+        del runner.model.compute_logits, runner.run
+    assert cfg.get("num_gpu_blocks") is None or sched.num_preemptions > 0
+    return seen
+
+
+def test_batch_invariant_mode_is_bitwise_invariant(fast_runner: Any, smol_tokenizer: Any) -> None:
+    """--batch-invariant: logits bitwise equal alone, batched, chunked and recomputed, with
+    prompts long enough that the default mode would send their chunks through SDPA."""
+    from worker.cpu_attention import ALL_QUERIES, SMALL_QUERY, CpuPagedAttention
+
+    backend = fast_runner.attention.backend
+    if not isinstance(backend, CpuPagedAttention) or fast_runner.info.quantization != "gguf":
+        pytest.skip("batch-invariant mode needs the GGUF kernel and the C++ attention")
+    long_prompts = [smol_tokenizer.encode(TEXTS[name])[:300] for name in ("prose", "code")]
+    prompts = long_prompts + [smol_tokenizer.encode(p) for p in PROMPTS[:3]]
+    assert max(map(len, prompts)) > SMALL_QUERY
+    backend.small_query = ALL_QUERIES  # what WorkerConfig(batch_invariant=True) builds
+    try:
+        alone: dict[tuple[str, int], torch.Tensor] = {}
+        for i, p in enumerate(prompts):
+            alone |= {(f"p{i}", n): t for (_, n), t in _logits_by_step(fast_runner, [p]).items()}
+        for cfg in ({}, {"max_num_batched_tokens": 7}, {"max_num_batched_tokens": 64, "num_gpu_blocks": 30}):
+            together = _logits_by_step(fast_runner, prompts, **cfg)
+            assert together.keys() == alone.keys()
+            differ = [k for k in alone if not torch.equal(alone[k], together[k])]
+            assert not differ, f"{cfg}: logits differ at {differ[:5]}"
+    finally:
+        backend.small_query = SMALL_QUERY
+
+
+def test_batch_invariant_flag_is_checked() -> None:
+    from worker.attention import make_attention_backend
+    from worker.cpu_attention import ALL_QUERIES
+    from worker.cpu_kernels import available
+
+    with pytest.raises(ValueError, match="batch_invariant needs the GGUF kernel"):
+        WorkerConfig(batch_invariant=True, quantization="none")
+    with pytest.raises(ValueError, match="batch_invariant needs"):
+        WorkerConfig(batch_invariant=True, attention_backend="torch")
+    if available()[0]:
+        backend = make_attention_backend("cpu", torch.device("cpu"), 16, torch.float32, batch_invariant=True)
+        assert backend.small_query == ALL_QUERIES  # type: ignore[attr-defined]
