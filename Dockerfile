@@ -8,9 +8,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    STEPSERVE_MODEL_CACHE=/var/cache/stepserve
+    STEPSERVE_MODEL_CACHE=/var/cache/stepserve \
+    TORCH_EXTENSIONS_DIR=/var/cache/stepserve/torch_extensions \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/stepserve/inductor
 
 WORKDIR /app
+
+# A C++ compiler at run time: the worker builds its CPU kernels (worker/csrc) on first start
+# and torch.compile's inductor compiles the forward; without one both fall back to eager torch.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first, from its own index (the CPU build unless TORCH_INDEX_URL says otherwise), so the
 # project's exact pin is already satisfied and pip never pulls a CUDA build from PyPI.

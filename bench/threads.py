@@ -66,7 +66,11 @@ def measure(threads: int, policy: str, neighbour: bool, eager: bool) -> dict[str
         spinner = multiprocessing.Process(target=_spin, args=(time.monotonic() + 600,), daemon=True)
         spinner.start()
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        # a combination that hangs (spinning barriers starved by the neighbour) is reported, not waited for
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"error": "no result in 300 s"}
     finally:
         if spinner is not None:
             spinner.terminate()
@@ -89,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             for policy in args.policies:
                 rows.append({"threads": threads, "omp_wait_policy": policy,
                              "busy_neighbour": neighbour, **measure(threads, policy, neighbour, args.enforce_eager)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, kept if the run is cut short
     base = next(r for r in rows if r["threads"] == counts[-1] and r["omp_wait_policy"] == args.policies[0]
                 and not r["busy_neighbour"])
     for r in rows:
+        if "error" in r:
+            continue
         for key in ("batch_1_ms", "batch_8_ms"):
             r[key.replace("_ms", "_vs_base")] = round(r[key] / base[key], 3)
     print(json.dumps({"benchmark": "threads", "cores": cores, "compiled": not args.enforce_eager, "rows": rows}, indent=2))

@@ -22,7 +22,7 @@ PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 DEFAULT_TOKEN_BUDGET = 2048
 # `--max-step-ms` of the server and the simulator (see docs/step_budget.md for how it was chosen).
-DEFAULT_MAX_STEP_MS = 600.0
+DEFAULT_MAX_STEP_MS = 200.0
 
 
 def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:

@@ -31,7 +31,7 @@ class WorkerConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: see worker.threads
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores; README, Threads)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -102,3 +102,14 @@ def test_serve_help_documents_every_flag() -> None:
     names = {s for a in parser._actions for s in a.option_strings}
     vllm = {"--max-num-batched-tokens", "--max-num-seqs", "--max-model-len", "--block-size", "--enable-chunked-prefill", "--long-prefill-token-threshold", "--preemption-mode", "--scheduling-policy", "--enable-prefix-caching", "--swap-space", "--api-key", "--gpu-memory-utilization", "--served-model-name"}
     assert vllm <= names
+
+
+def test_image_has_a_compiler_and_the_kernel_sources() -> None:
+    """The CPU kernels and inductor need g++ at run time, and the sources ship in the wheel."""
+    text = (REPO / "Dockerfile").read_text()
+    assert "g++" in text and "TORCH_EXTENSIONS_DIR=/var/cache/stepserve" in text
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "csrc/*.cpp" in data["tool"]["setuptools"]["package-data"]["worker"]
+    assert list((REPO / "worker" / "csrc").glob("*.cpp"))

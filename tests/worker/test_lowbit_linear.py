@@ -95,3 +95,16 @@ def test_rejects_shapes_it_cannot_run() -> None:
         torch.ops.stepserve_cpu.lowbit_linear(torch.randn(2, 48), layer.codes, layer.scales, layer.offsets, 8)
     with pytest.raises(ValueError, match="blocks of 32"):
         GGUFLinear.from_quantized(quantize_int8(torch.randn(8, 64), 64))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_rows_are_independent_of_the_batch(kind: str) -> None:
+    """A row's output is bitwise the same whatever else is in x (every path sums in one
+    order): what batch-invariant mode rests on."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(51, 576, generator=gen)
+    layer = GGUFLinear.from_quantized(quantize_int4(w) if kind == "int4" else quantize_int8(w, 32))
+    x = torch.randn(64, 576, generator=gen)
+    alone = layer(x[:1])
+    for m in (2, 3, 4, 5, 8, 9, 17, 64):
+        assert torch.equal(layer(x[:m])[:1], alone), m
