@@ -21,17 +21,19 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.servers import free_port, wait_healthy  # noqa: E402
+
 KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms",
         "num_busy_steps", "mean_step_ms")
 # The calibration grid: decode batches at a short and a long context, prefill chunks fresh and
@@ -40,30 +42,10 @@ CALIBRATION = ["--batches", "1", "2", "4", "8", "16", "--context", "64", "512",
                "--chunks", "32", "128", "512", "--chunk-context", "0", "256", "--repeat", "5"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(args: list[str]) -> None:
     """Run a stepserve command; its report goes to our stderr, keeping stdout for the JSON."""
     done = subprocess.run([sys.executable, *args], check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     sys.stderr.write(done.stdout)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError("server did not become healthy")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     _run(["-m", "service.cli", "simulate", "calibrate", "--from", str(step_json), "--out", str(profile)])
 
     sched = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", "16"]
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
@@ -105,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     measured: dict[float, dict[str, float]] = {}
     try:
-        _wait_healthy(url, server)
+        wait_healthy(url, server, timeout=600)
         with urllib.request.urlopen(f"{url}/debug/kv") as r:
             num_blocks = int(json.load(r)["num_gpu_blocks"])
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs

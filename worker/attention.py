@@ -183,16 +183,11 @@ class GatherWorkspace:
         return gather_blocks(cache, block_ids, out=buf)
 
 
-class TorchAttention:
-    """Portable backend on torch SDPA: decodes batched over a padded gather of their blocks,
-    each prefill chunk attended on its own with a bottom-right causal mask."""
-
-    name = "torch"
+class _PythonBackend:
+    """What the backends driven from Python share: the caches, the bound step, and the KV
+    write each layer starts with."""
 
     def __init__(self) -> None:
-        # Shared by all layers: each layer's attention is done with its gathered K/V
-        # before the next layer gathers.
-        self.workspace = GatherWorkspace()
         self.kv_layers: list[KVCacheLayer] = []
         self.meta: AttentionMetadata | None = None
 
@@ -202,10 +197,28 @@ class TorchAttention:
     def bind(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def _write(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[AttentionMetadata, KVCacheLayer]:
+        """Write this layer's new K/V into the cache; the step's metadata and the layer's cache."""
         meta, kv_cache = self.meta, self.kv_layers[layer]
         assert meta is not None, "attention called outside a step"
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        return meta, kv_cache
+
+
+class TorchAttention(_PythonBackend):
+    """Portable backend on torch SDPA: decodes batched over a padded gather of their blocks,
+    each prefill chunk attended on its own with a bottom-right causal mask."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Shared by all layers: each layer's attention is done with its gathered K/V
+        # before the next layer gathers.
+        self.workspace = GatherWorkspace()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        meta, kv_cache = self._write(k, v, layer)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta)
@@ -247,7 +260,7 @@ class TorchAttention:
         return out.squeeze(0).transpose(0, 1)
 
 
-class FlashAttention:
+class FlashAttention(_PythonBackend):
     """flash-attn 2 varlen kernel. Paged directly when the block size is a multiple of 256
     (flash-attn's page-size rule); otherwise each request's context is gathered first."""
 
@@ -256,21 +269,12 @@ class FlashAttention:
     def __init__(self, block_size: int) -> None:
         from flash_attn import flash_attn_varlen_func
 
+        super().__init__()
         self._varlen = flash_attn_varlen_func
         self.paged = block_size % 256 == 0
-        self.kv_layers: list[KVCacheLayer] = []
-        self.meta: AttentionMetadata | None = None
-
-    def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
-        self.kv_layers = kv_layers
-
-    def bind(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        meta, kv_cache = self.meta, self.kv_layers[layer]
-        assert meta is not None, "attention called outside a step"
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        meta, kv_cache = self._write(k, v, layer)
         cu_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         if self.paged:
             keys, values, table = kv_cache[0], kv_cache[1], meta.block_tables

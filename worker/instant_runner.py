@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from scheduler.output import TokenLogprobs
 from worker.config import WorkerConfig, WorkerInfo
 from worker.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.kv_cache import check_swap_pairs
-from worker.step_executor import StepExecutor
+from worker.step_executor import PlanRunner, StepExecutor
 
 INSTANT_VOCAB_SIZE = 32000
 INSTANT_EOS_TOKEN_ID = 2
@@ -28,7 +28,7 @@ INSTANT_KV_BYTES_PER_TOKEN = 46080
 _DEFAULT_MAX_MODEL_LEN = 8192
 
 
-class InstantRunner:
+class InstantRunner(PlanRunner):
     """A fake model behind the real plan consumer; `eos_after` makes the n-th output EOS."""
 
     def __init__(self, config: WorkerConfig, eos_after: int | None = None) -> None:
@@ -57,14 +57,6 @@ class InstantRunner:
         self.batch = InputBatch(max_model_len, config.block_size, torch.device("cpu"),
                                 num_blocks=self.info.num_gpu_blocks)
         self.executor = StepExecutor(self.batch, self)
-
-    @property
-    def requests(self) -> dict[str, RequestState]:
-        return self.batch.requests
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the plan's diffs through the shared plan consumer, then "sample"."""
-        return self.executor.execute(plan)
 
     def swap(self, swap_out: SwapPairs, swap_in: SwapPairs) -> None:
         """No KV to move; the block ids are checked as the real cache checks them."""

@@ -35,7 +35,7 @@ from worker.model import LlamaForCausalLM
 from worker.model_config import ModelConfig
 from worker.quant import Weight
 from worker.sampler import Sampler, SamplingMetadata
-from worker.step_executor import StepExecutor
+from worker.step_executor import PlanRunner, StepExecutor
 from worker.weight_form import WeightForm
 
 log = logging.getLogger("stepserve.worker")
@@ -74,7 +74,7 @@ def served_model_name(path: Path) -> str:
     return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
 
 
-class ModelRunner:
+class ModelRunner(PlanRunner):
     """The worker's model side: `.info` at start-up, `.execute(plan)` every step."""
 
     def __init__(
@@ -226,14 +226,9 @@ class ModelRunner:
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 
-    @property
-    def requests(self) -> dict[str, RequestState]:
-        """Every request the worker holds state for (active or preempted)."""
-        return self.batch.requests
-
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply `plan` and run its forward; returns the sampled token of each request."""
+        """`PlanRunner.execute` with autograd off (no version counters, no graph)."""
         return self.executor.execute(plan)
 
     # ---- the StepModel side (worker.step_executor) ------------------------------------------

@@ -54,3 +54,19 @@ class StepExecutor:
             sampled_token_ids={s.req_id: t for s, t in zip(states, tokens, strict=True)},
             logprobs={s.req_id: lp for s, lp in zip(states, logprobs, strict=True) if lp is not None},
         )
+
+
+class PlanRunner:
+    """The plan side every runner shares: plans go through `self.executor`, which the
+    runner builds over its batch and its model side."""
+
+    executor: StepExecutor
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Every request the worker holds state for (active or preempted)."""
+        return self.executor.requests
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply `plan` and run its step; returns the sampled token of each request."""
+        return self.executor.execute(plan)

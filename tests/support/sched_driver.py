@@ -14,7 +14,7 @@ import torch
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerOutput
 from scheduler.output import TokenLogprobs
 from worker.input_batch import InputBatch, RequestState, StepInputs
-from worker.step_executor import StepExecutor
+from worker.step_executor import PlanRunner, StepExecutor
 
 EOS = 2
 
@@ -38,7 +38,7 @@ def make_request(
     return req
 
 
-class MirrorWorker:
+class MirrorWorker(PlanRunner):
     """A model-free worker: the real plan consumer (`worker.step_executor` over the real
     `InputBatch`) with a model whose tokens come from `next_token(req_id, position)` and
     whose "KV cache" records which token prefix wrote each slot.
@@ -63,13 +63,6 @@ class MirrorWorker:
         self._prefix_hashes: dict[str, list[int]] = {}  # [i]: identity of tokens[: i + 1]
         self.batch = InputBatch(max_model_len, block_size, torch.device("cpu"), num_blocks=num_blocks)
         self.executor = StepExecutor(self.batch, self)
-
-    @property
-    def requests(self) -> dict[str, RequestState]:
-        return self.batch.requests
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.executor.execute(plan)
 
     # -- the StepModel side --
 
