@@ -22,7 +22,10 @@ non-negative minimiser of::
 
 Pure Python (the scheduler's package imports no numpy): seven unknowns, a 7x7 normal
 matrix updated in O(49) per step and solved lazily, on the next prediction, with
-non-negativity by Lawson-Hanson's active set.
+non-negativity by Lawson-Hanson's active set, started from the last fit's support: the
+optimum is unique (the ridge makes the problem strictly convex), so the warm start changes
+how fast it is found (one small solve in the usual step, instead of one per coefficient),
+not what is found.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class OnlineStepCost:
         self._live = _Normal()
         self._seed = _Normal()
         self._coef: tuple[float, ...] = (0.0,) * _N
+        self._support: tuple[int, ...] = tuple(range(_N))  # the last fit's positive coefficients
         self._dirty = False
         self._log_scale = 0.1
         self.num_observed = 0
@@ -142,9 +146,8 @@ class OnlineStepCost:
         for i in range(_N):
             m[i][i] += _RIDGE
         c = [a + eps * s for a, s in zip(self._live.c, self._seed.c, strict=True)]
-        x = solve(m, c)
-        if x is None or min(x) < 0:
-            x = nnls(m, c)
+        x = nnls(m, c, start=self._support)
+        self._support = tuple(i for i, v in enumerate(x) if v > 0) or tuple(range(_N))
         self._coef = tuple(v / s for v, s in zip(x, _SCALES, strict=True))
         self._dirty = False
 
@@ -196,13 +199,24 @@ def solve(m: list[list[float]], c: list[float]) -> list[float] | None:
     return x
 
 
-def nnls(m: list[list[float]], c: list[float]) -> list[float]:
+def nnls(m: list[list[float]], c: list[float], start: tuple[int, ...] = ()) -> list[float]:
     """argmin over x >= 0 of xᵀ m x - 2 cᵀ x (m symmetric positive definite): Lawson-Hanson's
-    active set on the normal equations."""
+    active set on the normal equations.
+
+    `start` is a guess of the optimum's positive coordinates (a previous fit's): when the
+    problem restricted to them has a positive solution, the search starts there, which meets
+    the algorithm's invariant (x optimal on its passive set, positive there), so only the
+    coordinates the guess got wrong cost iterations. Otherwise it starts from x = 0.
+    """
     n = len(c)
     x = [0.0] * n
     passive = [False] * n
     tol = 1e-12 * max(1.0, max(abs(v) for v in c))
+    if start:
+        sub = solve([[m[i][k] for k in start] for i in start], [c[i] for i in start])
+        if sub is not None and min(sub) > 0:
+            for i, v in zip(start, sub, strict=True):
+                x[i], passive[i] = v, True
     for _ in range(3 * n):
         grad = [c[i] - sum(map(mul, m[i], x)) for i in range(n)]
         free = [i for i in range(n) if not passive[i]]

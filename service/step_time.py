@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.stats import SchedulerStats
 from scheduler.step_calibration import CalibrationStep, calibration_steps, finish_plan
-from scheduler.step_cost import BatchShape
+from scheduler.step_cost import FEATURES, BatchShape
 from scheduler.step_fit import OnlineStepCost
 from service.metrics import ServiceMetrics
 from worker.config import WorkerInfo
@@ -127,6 +127,7 @@ class _StepTimeMetrics:
         self.target.set(target)
         self._coef = Gauge("stepserve:step_cost_coefficient", "The online step-cost fit: seconds per unit of each term.",
                            [*labels, "term"], registry=registry)
+        self._coef_model: OnlineStepCost | None = None
         self.model_name = model_name
         self.capped = Counter("stepserve:step_prefill_time_capped", "Prefill chunks shortened by the time budget.",
                               labels, registry=registry).labels(model_name)
@@ -141,8 +142,10 @@ class _StepTimeMetrics:
         self.last_predicted.set(predicted)
         self.last_measured.set(measured)
         self.rel_error.set(model.relative_error)
-        for term, value in model.coefficients.items():
-            self._coef.labels(self.model_name, term).set(value)
+        if self._coef_model is not model:  # read at scrape time: a refit costs more than a step's metrics
+            self._coef_model = model
+            for term in FEATURES:
+                self._coef.labels(self.model_name, term).set_function(lambda term=term: model.coefficients[term])
         capped, over = stats.num_time_capped_chunks, stats.num_decode_over_target
         self.capped.inc(max(0, capped - self._last[0]))
         self.over.inc(max(0, over - self._last[1]))

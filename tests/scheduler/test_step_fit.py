@@ -151,6 +151,12 @@ def test_solve_and_nnls_against_brute_force() -> None:
         got = nnls(m, c)
         assert all(v >= 0 for v in got)
         assert _objective(m, c, got) <= _objective(m, c, best) + 1e-7
+        # started from any guess of the support (right, wrong, all): the same optimum
+        for start in (tuple(i for i in range(n) if best[i] > 0), tuple(range(n)),
+                      tuple(sorted(rng.sample(range(n), rng.randint(1, n))))):
+            warm = nnls(m, c, start=start)
+            assert all(v >= 0 for v in warm)
+            assert _objective(m, c, warm) <= _objective(m, c, best) + 1e-7
 
 
 def _objective(m: list[list[float]], c: list[float], x: list[float]) -> float:
