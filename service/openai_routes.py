@@ -226,10 +226,10 @@ async def _stream(
     with state.stall_watch.watch(request, response, streams) as writer:
         try:
             await _write_events(writer, token_text, req, meta, streams, indices, prompt_tokens)
+            await writer.write(DONE)
+            await response.write_eof()
         except ConnectionResetError:
-            return response  # the client left (or stalled): its streams are closed, so aborted
-        await writer.write(DONE)
-    await response.write_eof()
+            pass  # the client left (or stalled): its streams are closed, so aborted
     return response
 
 

@@ -6,12 +6,16 @@ stream, with nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from typing import Any
 
 import orjson
+from aiohttp.client_exceptions import ClientConnectionResetError
 
+from service.sse import DONE
+from service.stall import GuardedWriter
 from service.state import AppConfig
 
 LONG = {"prompt": "Hello there", "max_tokens": 8000, "ignore_eos": True, "stream": True, "logprobs": 5}
@@ -108,3 +112,25 @@ async def test_client_pausing_for_less_than_the_timeout_gets_everything(make_cli
         assert tokens == 3000 and data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert len(events) < tokens  # coalesced while it was not reading
         assert state.stall_watch.num_stalled == 0 and await _aborted_count(client) == 0
+
+
+async def test_a_client_gone_by_the_final_write_is_not_a_server_error(
+        make_client: Any, monkeypatch: Any, caplog: Any) -> None:
+    """The connection closes after the last token's event, before `[DONE]` (a client that
+    stops at `finish_reason`): the handler ends quietly, with no 500 and no error logged."""
+    original = GuardedWriter.write
+
+    async def write(self: GuardedWriter, data: bytes) -> None:
+        if data == DONE:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await original(self, data)
+
+    monkeypatch.setattr(GuardedWriter, "write", write)
+    async with make_client() as (client, state):
+        body = {"model": "instant", "prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+        with caplog.at_level(logging.ERROR):
+            resp = await client.post("/v1/completions", json=body)
+            data = await resp.read()
+        assert resp.status == 200 and b'"finish_reason":"length"' in data and DONE not in data
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert await _aborted_count(client) == 0  # it had finished; nothing to abort
