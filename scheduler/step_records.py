@@ -12,7 +12,12 @@ view (`service/step_records.py` streams them) and the simulator's timeline files
 
 Keys holding their empty value may be left out (`compact`); readers fill them back in.
 A record holds request ids, counts and block ids: never prompt or output text or token
-ids. Building one costs O(requests in the step); the block map (who holds each block,
+ids. With `short_ids` (the live stream) a request is named by a short key the recorder
+assigns when it first sees it ("0", "1", ... "a", base 36); its `new` entry, and the
+`requests` table of `state()`, pair the key with the request's id. Server ids are ~40
+characters and a decode step names every running request, so keys cut a live record to a
+fraction of its size (and of its cost to encode, send and read). Building one costs
+O(requests in the step); the block map (who holds each block,
 O(held + free blocks)) is only taken when the plan changed a block table and no sooner
 than `map_interval` seconds (or 200x its own build time) after the last one.
 """
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from operator import attrgetter
+from typing import Any, Protocol
 
 from scheduler.output import RequestOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
@@ -29,8 +35,18 @@ from scheduler.scheduler import Scheduler
 RECORD_VERSION = 1
 MAP_COST_RATIO = 200  # a block map costs at most 1/200 of the wall time between maps
 _MAX_PENDING = 8  # plans recorded but never answered (a simulator drops its last one)
+_NEW_BLOCKS = attrgetter("new_block_ids")
 
 Record = dict[str, Any]
+
+
+class Delivered(Protocol):
+    """A step's output as its clients saw it (`service.output_processor.StepDelivery`)."""
+
+    tokens: int
+    first: list[str]
+    finished: list[tuple[str, str]]
+
 # A plan's predicted duration in seconds (the step-cost model), or None when it has none.
 Predictor = Callable[[SchedulerOutput], float | None]
 
@@ -73,37 +89,88 @@ def scheduler_hello(sched: Scheduler, **extra: Any) -> Record:
                  prefix_caching=c.enable_prefix_caching, **extra)
 
 
-def block_map_of(sched: Scheduler) -> dict[str, Any]:
-    """The KV block map as a record carries it: tables, shared blocks, cached free blocks."""
+def block_map_of(sched: Scheduler, name: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """The KV block map as a record carries it: tables, shared blocks, cached free blocks
+    (tables keyed by `name(request id)` when given)."""
     m = sched.kv.block_map()
-    return {"tables": m.tables, "shared": [[b, rc] for b, rc in m.shared.items()], "cached": m.cached_free}
+    tables = m.tables if name is None else {name(rid): t for rid, t in m.tables.items()}
+    return {"tables": tables, "shared": [[b, rc] for b, rc in m.shared.items()], "cached": m.cached_free}
+
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def short_key(n: int) -> str:
+    """`n` in base 36: the live stream's name for the n-th request it saw."""
+    out = _DIGITS[n % 36]
+    while n >= 36:
+        n //= 36
+        out = _DIGITS[n % 36] + out
+    return out
 
 
 class StepRecorder:
     """Builds one record per plan of `sched` (see the module docstring)."""
 
     def __init__(self, sched: Scheduler, epoch: float = 0.0, map_interval: float = 0.0,
-                 predictor: Predictor | None = None) -> None:
+                 predictor: Predictor | None = None, short_ids: bool = False) -> None:
         self.sched = sched
         self.epoch = epoch  # times in records are seconds since this clock value
         self.map_interval = map_interval
         self.predictor = predictor
+        self.short_ids = short_ids
         self._pending: dict[int, Record] = {}
-        self._prompt_len: dict[str, int] = {}  # of requests seen in plans, until they end
+        # Of each request seen, from its first plan until it ends: its name in records, its
+        # prompt length, and whether it decodes (its last plan computed one token past its
+        # prompt, and it was not preempted since: it computes one token whenever scheduled)
+        self._keys: dict[str, str] = {}
+        self._prompt: dict[str, int] = {}
+        self._decoding: set[str] = set()
+        self._next_key = 0  # never reset: a key names one request for the stream's whole life
         self._map_dirty = True
         self._next_map = 0.0
 
     def state(self) -> Record:
-        """Queues, KV counts and the block map right now (a viewer's starting point)."""
-        rec = {"running": 0, "waiting": 0, "swapped": 0, "kv": [0, 0, 0], "blocks": block_map_of(self.sched)}
+        """Queues, KV counts and the block map right now (a viewer's starting point); with
+        short ids, `requests` pairs every request the scheduler holds with its key."""
+        rec: Record = {"running": 0, "waiting": 0, "swapped": 0, "kv": [0, 0, 0]}
+        if self.short_ids:
+            rec["requests"] = [[self._learn(rid), rid] for rid in self.sched.requests]
+        rec["blocks"] = self._block_map()
         self._counts(rec)
         return rec
 
     def reset(self) -> None:
         """Forget what was recorded (nobody listens any more: finishes would go unseen)."""
         self._pending.clear()
-        self._prompt_len.clear()
+        self._keys.clear()
+        self._prompt.clear()
+        self._decoding.clear()
         self.force_map()
+
+    def name(self, rid: str) -> str:
+        """What records call request `rid`: its key once seen (short ids), else the id."""
+        return self._keys.get(rid, rid)
+
+    def _learn(self, rid: str) -> str:
+        """The key of `rid`, assigned (with its prompt length noted) the first time."""
+        key = self._keys.get(rid)
+        if key is None:
+            req = self.sched.requests.get(rid)
+            key = rid
+            if self.short_ids:
+                key, self._next_key = short_key(self._next_key), self._next_key + 1
+            self._keys[rid] = key
+            self._prompt[rid] = len(req.prompt_token_ids) if req is not None else 0
+        return key
+
+    def _forget(self, rid: str) -> None:
+        self._keys.pop(rid, None)
+        self._prompt.pop(rid, None)
+        self._decoding.discard(rid)
+
+    def _block_map(self) -> dict[str, Any]:
+        return block_map_of(self.sched, self.name if self.short_ids else None)
 
     def force_map(self) -> None:
         """Take the block map with the next plan (a new viewer needs a full picture)."""
@@ -112,11 +179,16 @@ class StepRecorder:
     def on_plan(self, plan: SchedulerOutput, now: float) -> None:
         """Record a plan's composition, just after `schedule()` returned it."""
         rec = empty_record(plan.step_id)
+        preemptions = self.sched.last_preemptions
+        if preemptions:  # before the composition: a victim no longer decodes
+            name = self.name
+            rec["preempted"] = [[name(v), reason, mode, name(by)] for v, reason, mode, by in preemptions]
+            self._decoding.difference_update(p[0] for p in preemptions)
         changed = self._composition(plan, rec)
-        rec["preempted"] = [list(p) for p in self.sched.last_preemptions]
-        rec["aborted"] = sorted(plan.aborted_req_ids)
-        for rid in plan.aborted_req_ids:
-            self._prompt_len.pop(rid, None)
+        if plan.aborted_req_ids:
+            rec["aborted"] = sorted(self.name(rid) for rid in plan.aborted_req_ids)
+            for rid in plan.aborted_req_ids:
+                self._forget(rid)
         rec["swap_out"], rec["swap_in"] = len(plan.swap_out), len(plan.swap_in)
         self._counts(rec)
         if self.predictor is not None:
@@ -130,24 +202,37 @@ class StepRecorder:
             del self._pending[min(self._pending)]
 
     def on_output(self, plan: SchedulerOutput, outputs: Sequence[RequestOutput], now: float,
-                  step_seconds: float | None, execute_seconds: float | None = None) -> Record | None:
-        """Complete the plan's record with what its output did; None if it was not recorded."""
+                  step_seconds: float | None, execute_seconds: float | None = None,
+                  delivered: Delivered | None = None) -> Record | None:
+        """Complete the plan's record with what its output did; None if it was not recorded.
+
+        `delivered` (the server's output processor has it): the step's tokens, first tokens
+        and ends as its clients saw them (a stop string ends a request with "stop" here, where
+        the scheduler only learns of it as an abort). It spares a pass over `outputs`."""
         rec = self._pending.pop(plan.step_id, None)
         if rec is None:
             return None
         rec["t"] = round(now - self.epoch, 6)
         rec["step_ms"] = None if step_seconds is None else round(step_seconds * 1e3, 4)
         rec["execute_ms"] = round(execute_seconds * 1e3, 4) if execute_seconds else None
-        tokens, first, finished = 0, rec["first"], rec["finished"]
-        for out in outputs:
-            n = len(out.new_token_ids)
-            if n:
-                tokens += n
-                if out.num_output_tokens == n:
-                    first.append(out.req_id)
-            if out.finished:
-                finished.append([out.req_id, out.finish_reason])
-                self._prompt_len.pop(out.req_id, None)
+        name = self.name
+        if delivered is not None:
+            tokens = delivered.tokens
+            rec["first"] = [name(rid) for rid in delivered.first]
+            ended = delivered.finished
+        else:
+            tokens, first, ended = 0, rec["first"], []
+            for out in outputs:
+                n = len(out.new_token_ids)
+                if n:
+                    tokens += n
+                    if out.num_output_tokens == n:
+                        first.append(name(out.req_id))
+                if out.finished:
+                    ended.append((out.req_id, out.finish_reason))
+        finished = rec["finished"] = [[name(rid), reason] for rid, reason in ended]
+        for rid, _ in ended:
+            self._forget(rid)
         rec["tokens"] = tokens
         if finished and not self.sched.has_unfinished_requests():
             self._counts(rec)  # the last request left: show the pool as it left it
@@ -156,37 +241,48 @@ class StepRecorder:
 
     def _composition(self, plan: SchedulerOutput, rec: Record) -> bool:
         """Fill decode / prefill / new / resumed / swapped_in; True if a block table changed."""
-        counts, prompt_len = plan.num_scheduled_tokens, self._prompt_len
-        decode, prefill, changed = rec["decode"], rec["prefill"], bool(plan.scheduled_new_reqs)
-        for d in plan.scheduled_cached_reqs:  # the hot loop: one decode per running request
-            rid, n, ctx = d.req_id, counts[d.req_id], d.num_computed_tokens
-            if d.new_block_ids:
-                changed = True
-                if d.resumed_from_preemption:
-                    self._resumed(plan, d.req_id, d.new_block_ids[0], rec)
-            elif d.resumed_from_preemption:
-                rec["resumed"].append(rid)
-            p = prompt_len.get(rid)
-            if p is None:
-                req = self.sched.requests.get(rid)
-                p = prompt_len[rid] = len(req.prompt_token_ids) if req is not None else 0
-            if n == 1 and ctx >= p:
-                decode.append(rid)
+        counts, keys, decoding = plan.num_scheduled_tokens, self._keys, self._decoding
+        cached = plan.scheduled_cached_reqs
+        changed = bool(plan.scheduled_new_reqs) or any(map(_NEW_BLOCKS, cached))
+        others = counts.keys() - decoding
+        if not others:  # the steady state: every request decodes, in C loops only
+            rec["decode"] = list(map(keys.__getitem__, counts))
+            return changed
+        decode, prefill, prompt = rec["decode"], rec["prefill"], self._prompt
+        for d in cached:
+            rid = d.req_id
+            if rid not in others:
+                decode.append(keys[rid])
+                continue
+            key = self._learn(rid)
+            if d.resumed_from_preemption:
+                if d.new_block_ids:
+                    self._resumed(plan, key, d.new_block_ids[0], rec)
+                else:
+                    rec["resumed"].append(key)
+            n, ctx = counts[rid], d.num_computed_tokens
+            if n == 1 and ctx >= prompt[rid]:
+                decode.append(key)
+                decoding.add(rid)
             else:
-                prefill.append([rid, n, ctx])
+                prefill.append([key, n, ctx])
         for new in plan.scheduled_new_reqs:
             rid, num_prompt = new.req_id, len(new.prompt_token_ids)
-            prompt_len[rid] = num_prompt
-            prefill.append([rid, counts[rid], new.num_computed_tokens])
+            key = self._learn(rid)  # known already if a viewer's hello named it
+            prompt[rid] = num_prompt
+            prefill.append([key, counts[rid], new.num_computed_tokens])
             req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
-            rec["new"].append([rid, arrival, num_prompt, new.num_computed_tokens])
+            entry = [key, arrival, num_prompt, new.num_computed_tokens]
+            if self.short_ids:
+                entry.append(rid)
+            rec["new"].append(entry)
         return changed
 
     @staticmethod
-    def _resumed(plan: SchedulerOutput, rid: str, first_block: int, rec: Record) -> None:
+    def _resumed(plan: SchedulerOutput, key: str, first_block: int, rec: Record) -> None:
         swapped = any(dev == first_block for _, dev in plan.swap_in)
-        (rec["swapped_in"] if swapped else rec["resumed"]).append(rid)
+        (rec["swapped_in"] if swapped else rec["resumed"]).append(key)
 
     def _counts(self, rec: Record) -> None:
         s, pool = self.sched, self.sched.kv.pool
@@ -196,7 +292,7 @@ class StepRecorder:
 
     def _take_map(self, rec: Record, now: float) -> None:
         start = time.perf_counter()
-        rec["blocks"] = block_map_of(self.sched)
+        rec["blocks"] = self._block_map()
         cost = time.perf_counter() - start
         self._map_dirty = False
         self._next_map = now + max(self.map_interval, cost * MAP_COST_RATIO) if self.map_interval else now

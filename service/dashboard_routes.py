@@ -119,9 +119,12 @@ async def stream(request: web.Request) -> web.StreamResponse:
     try:
         response = await open_event_stream(request)
         await response.write(event(hub.hello(model=loaded.model_name, source="live")))
+        loop = asyncio.get_running_loop()
         while (batch := await sub.wait(KEEPALIVE_S)) is not None:
             await response.write(b"".join(batch) if batch else b": keep-alive\n\n")
-            await asyncio.sleep(FLUSH_INTERVAL_S)  # let records pile up: one write per flush
+            # Let records pile up: one write per flush. Every viewer flushes on the same
+            # ticks, so viewers that keep up hold the same records and share one encoding.
+            await asyncio.sleep(FLUSH_INTERVAL_S - loop.time() % FLUSH_INTERVAL_S)
     except ConnectionError:
         pass  # the viewer left; nothing to clean up but the subscription
     finally:

@@ -272,9 +272,10 @@ class AsyncEngine:
         # Stop strings (and readers a whole buffer behind) end requests here, before the
         # next plan is built: the plan already in flight samples one more token for them,
         # which the scheduler drops since they are gone.
+        self.output.summarize = self.step_records.recording
         for req_id in self.output.process(outputs, now):
             self.scheduler.abort(req_id)
-        self.step_records.on_output(step.plan, output, outputs, now)
+        self.step_records.on_output(step.plan, output, outputs, now, self.output.last_delivery)
         self._stats = self.scheduler.stats()
         if self.step_time is not None:
             self.step_time.on_output(step.plan, output, self._stats)

@@ -32,6 +32,16 @@ from service.stream import (
 
 
 @dataclass(slots=True)
+class StepDelivery:
+    """What one step delivered to clients, for the live view: tokens, the requests that got
+    their first token, and those that ended, with the reason their client saw."""
+
+    tokens: int
+    first: list[str]
+    finished: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
 class _RequestState:
     """What the processor keeps about one live request."""
 
@@ -59,6 +69,9 @@ class OutputProcessor:
         self.metrics = metrics
         self.max_buffered_tokens = max_buffered_tokens
         self._reqs: dict[str, _RequestState] = {}
+        # With `summarize` set (a live view listens), `process` leaves its step's summary here.
+        self.summarize = False
+        self.last_delivery: StepDelivery | None = None
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -97,6 +110,8 @@ class OutputProcessor:
         generated = 0
         ttfts: list[tuple[int, float]] = []  # (prompt tokens, TTFT) of first tokens
         itls: list[float] = []
+        first: list[str] | None = [] if self.summarize else None
+        ended: list[tuple[str, str]] = []
         for out in outputs:
             state = reqs.get(out.req_id)
             if state is None:
@@ -106,6 +121,8 @@ class OutputProcessor:
                 if state.first_token_time is None:
                     state.first_token_time = now
                     ttfts.append((state.stream.num_prompt_tokens, now - state.arrival_time))
+                    if first is not None:
+                        first.append(out.req_id)
                 else:
                     itls.append(now - state.last_token_time)
                 state.last_token_time = now
@@ -114,10 +131,12 @@ class OutputProcessor:
                 continue
             del reqs[out.req_id]
             self._record_finish(state, reason, now)
+            ended.append((out.req_id, reason))
             if not out.finished:  # a stop string or an overflow: the scheduler does not know
                 to_finish.append(out.req_id)
         if generated and self.metrics is not None:
             self.metrics.observe_step_tokens(generated, ttfts, itls)
+        self.last_delivery = StepDelivery(generated, first, ended) if first is not None else None
         return to_finish
 
     def _route(self, state: _RequestState, out: RequestOutput) -> str | None:

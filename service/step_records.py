@@ -30,9 +30,10 @@ from scheduler.interface import SchedulerInterface
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from scheduler.step_records import Predictor, Record, StepRecorder, compact, scheduler_hello
+from service.output_processor import StepDelivery
 
 BUFFER_RECORDS = 512  # per subscriber: ~1 s of steps at 64 streams on the instant worker
-MAP_INTERVAL_S = 0.1  # the live block map: at most 10 a second
+MAP_INTERVAL_S = 0.25  # the live block map: at most 4 a second (a map costs ~100x a record)
 GAP_EVENT_CAP = 20_000  # lifecycle events one gap keeps before it only counts steps
 _GAP_LISTS = ("new", "first", "finished", "preempted", "aborted", "resumed", "swapped_in")
 
@@ -104,14 +105,27 @@ class Subscription:
         self._ready.set()
 
     def take(self) -> list[bytes]:
-        """Everything buffered, encoded, the gap (if any) first."""
-        out: list[bytes] = []
-        if self.gap is not None:
-            out.append(b"data: " + orjson.dumps(self.gap) + b"\n\n")
-            self.gap = None
-        while self.buffer:
-            out.append(self.buffer.popleft().encoded())
+        """Everything buffered, encoded, the gap (if any) first.
+
+        Viewers that flush on the same tick (the stream handlers align their flushes) hold
+        the same entries: the first of them joins the events, the others reuse its bytes."""
         self._ready.clear()
+        if not self.buffer:
+            out = [] if self.gap is None else [b"data: " + orjson.dumps(self.gap) + b"\n\n"]
+            self.gap = None
+            return out
+        span = (self.buffer[0], self.buffer[-1], len(self.buffer))
+        shared = self.hub.joined
+        if self.gap is None and shared is not None and shared[:3] == span:
+            self.buffer.clear()
+            return [shared[3]]
+        joined = b"".join(entry.encoded() for entry in self.buffer)
+        self.buffer.clear()
+        self.hub.joined = (*span, joined)
+        if self.gap is None:
+            return [joined]
+        out = [b"data: " + orjson.dumps(self.gap) + b"\n\n", joined]
+        self.gap = None
         return out
 
     async def wait(self, timeout: float) -> list[bytes] | None:
@@ -133,10 +147,13 @@ class StepRecordHub:
         self.clock = clock
         self.buffer_records = buffer_records
         # Any other SchedulerInterface (a test double) gets no live view.
-        self.recorder = StepRecorder(scheduler, clock(), map_interval) if isinstance(scheduler, Scheduler) else None
+        self.recorder = (StepRecorder(scheduler, clock(), map_interval, short_ids=True)
+                         if isinstance(scheduler, Scheduler) else None)
         self.subscribers: list[Subscription] = []
         self.time_target_ms: float | None = None  # the scheduler's step-time target, once it has one
         self.published = 0
+        # the last joined run of entries: (first, last, count, bytes), for viewers in step
+        self.joined: tuple[_Entry, _Entry, int, bytes] | None = None
         self._submitted: dict[int, float] = {}
         self._last_output = clock()
 
@@ -184,14 +201,22 @@ class StepRecordHub:
             self._submitted[plan.step_id] = now
             self.recorder.on_plan(plan, now)
 
+    @property
+    def recording(self) -> bool:
+        """Somebody listens: records are being built."""
+        return bool(self.subscribers) and self.recorder is not None
+
     def on_output(self, plan: SchedulerOutput, output: ModelRunnerOutput, outputs: Sequence[RequestOutput],
-                  now: float) -> None:
+                  now: float, delivered: StepDelivery | None = None) -> None:
+        """`delivered`: the output processor's summary of the step (tokens, first tokens and
+        ends as the clients saw them); without it the record is built from `outputs`."""
         last, self._last_output = self._last_output, now
         submitted = self._submitted.pop(plan.step_id, None)
         if submitted is None or self.recorder is None:
             return
         # the engine's step time, as its step_duration metric counts it
-        rec = self.recorder.on_output(plan, outputs, now, now - max(submitted, last), output.execute_time)
+        rec = self.recorder.on_output(plan, outputs, now, now - max(submitted, last), output.execute_time,
+                                      delivered)
         if rec is not None:
             self.publish(rec)
 

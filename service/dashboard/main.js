@@ -40,7 +40,7 @@ function addPanel(model) {
   });
   hover(panel.batch, (x) => panel.batchHits.find((h) => x >= h.x0 && x < h.x1)?.text);
   hover(panel.blocks, (x, y) => V.blockText(panel.model, panel.grid, x, y));
-  hover(panel.lanes, (x, y) => { const lane = panel.laneList[Math.floor((y - 2) / V.LANE_H)]; return lane && V.laneText(lane); });
+  hover(panel.lanes, (x, y) => { const lane = panel.laneList[Math.floor((y - 2) / V.LANE_H)]; return lane && V.laneText(panel.model, lane); });
   hover(panel.queues, (x) => queueText(panel, x));
   ui.runs.appendChild(el);
   dash.panels.push(panel);

@@ -1,6 +1,8 @@
 // The state of one run (the live server, or one run of a timeline file), rebuilt from its
 // records: `hello` once, then `step` records and, live, `gap` records for steps a slow
-// viewer missed. The record format is documented in docs/step_records.md.
+// viewer missed. The record format is documented in docs/step_records.md. Records name
+// requests by keys (live: short keys; the request ids come with `new` entries and the hello's
+// `state.requests`); `nameOf` gives the id to show.
 
 // Every key of a step record with its empty value (scheduler/step_records.py:empty_record);
 // a record may leave out the keys that hold these.
@@ -27,7 +29,8 @@ export class RunModel {
     this.truncated = false;
     this.history = []; // {t, running, waiting, swapped, kvUsed, preempted}
     this.preemptMarks = []; // {t, victim, reason, mode, by}
-    this.lanes = new Map(); // request id -> lane
+    this.lanes = new Map(); // request key -> lane
+    this.names = new Map(); // request key -> request id, where they differ
     this.last = null; // the last step record
     this.lastBatch = null; // the last step record that computed something
     this.blocks = null; // {owners: Array(num blocks) of [ids], cached: Set, shared: Map}
@@ -35,7 +38,19 @@ export class RunModel {
     const s = hello.state;
     if (s) this.counts = { running: s.running, waiting: s.waiting, swapped: s.swapped, kv: s.kv };
     else this.counts = { running: 0, waiting: 0, swapped: 0, kv: [0, 0, hello.num_blocks] };
+    if (s && s.requests) for (const [key, id] of s.requests) this.names.set(key, id);
     if (s && s.blocks) this.applyBlocks(s.blocks);
+  }
+
+  nameOf(key) {
+    return this.names.get(key) ?? key;
+  }
+
+  // A `new` entry: [key, arrival, prompt tokens, cached tokens] and, live, the request's id.
+  admit([id, arrival, prompt, cached, name], t) {
+    if (name !== undefined) this.names.set(id, name);
+    const lane = this.lane(id, arrival ?? t);
+    lane.arrival = arrival ?? t; lane.since = lane.arrival; lane.prompt = prompt; lane.cached = cached;
   }
 
   apply(rec) {
@@ -57,7 +72,10 @@ export class RunModel {
   pruneLanes() {
     if (this.lanes.size <= MAX_LANES) return;
     for (const [id, lane] of this.lanes) {
-      if (lane.finish !== null) { this.lanes.delete(id); if (this.lanes.size <= MAX_LANES) return; }
+      if (lane.finish !== null) {
+        this.lanes.delete(id); this.names.delete(id);
+        if (this.lanes.size <= MAX_LANES) return;
+      }
     }
   }
 
@@ -83,10 +101,7 @@ export class RunModel {
     const t0 = rec.step_ms != null ? Math.max(0, t1 - rec.step_ms / 1000) : (this.last ? this.last.t : t1);
     this.steps += 1;
     this.now = t1;
-    for (const [id, arrival, prompt, cached] of rec.new) {
-      const lane = this.lane(id, arrival ?? t0);
-      lane.arrival = arrival ?? t0; lane.since = lane.arrival; lane.prompt = prompt; lane.cached = cached;
-    }
+    for (const entry of rec.new) this.admit(entry, t0);
     for (const [id, n] of rec.prefill) {
       const lane = this.lane(id, t0); this.closeWait(lane, t0); this.addSegment(lane, t0, t1, "prefill", n);
     }
@@ -130,10 +145,7 @@ export class RunModel {
     this.gapSteps += gap.steps;
     this.now = gap.t;
     if (gap.truncated) this.truncated = true;
-    for (const [id, arrival, prompt, cached] of gap.new) {
-      const lane = this.lane(id, arrival ?? gap.t0); lane.arrival = arrival ?? gap.t0; lane.prompt = prompt; lane.cached = cached;
-      lane.since = lane.arrival;
-    }
+    for (const entry of gap.new) this.admit(entry, gap.t0);
     for (const id of [...gap.resumed, ...gap.swapped_in]) { const lane = this.lanes.get(id); if (lane) this.closeWait(lane, gap.t); }
     this.lifecycle(gap, gap.t0, gap.t);
     this.counts = { running: gap.running, waiting: gap.waiting, swapped: gap.swapped, kv: gap.kv };

@@ -93,7 +93,7 @@ export function drawBatch(canvas, model, hits) {
     const sw = Math.max(2, n * scale);
     ctx.fillStyle = COLORS[kind]; ctx.fillRect(x, barTop + 4, sw - 0.5, barH - 4);
     ctx.fillStyle = requestColor(id); ctx.fillRect(x, barTop, sw - 0.5, 4);
-    hits.push({ x0: x, x1: x + sw, text: `${id}\n${kind}: ${n} token${n === 1 ? "" : "s"}` });
+    hits.push({ x0: x, x1: x + sw, text: `${model.nameOf(id)}\n${kind}: ${n} token${n === 1 ? "" : "s"}` });
     x += sw;
     if (x > right) break;
   }
@@ -141,7 +141,7 @@ export function blockText(model, grid, px, py) {
   if (px >= grid.cols * grid.cell || b < 0 || b >= grid.n) return null;
   const map = model.blocks;
   const owners = map && map.owners[b];
-  if (owners) return `block ${b}\nheld by ${owners.join(", ")}${owners.length > 1 ? `\nshared prefix, ref count ${owners.length}` : ""}`;
+  if (owners) return `block ${b}\nheld by ${owners.map((k) => model.nameOf(k)).join(", ")}${owners.length > 1 ? `\nshared prefix, ref count ${owners.length}` : ""}`;
   return `block ${b}\n${map && map.cached.has(b) ? "free, holds a cached prefix" : "free"}`;
 }
 
@@ -179,9 +179,9 @@ function laneColor(kind, id) {
   return { waiting: COLORS.wait, preempted: COLORS.preempted, swapped: COLORS.swappedLane, padding: COLORS.padding }[kind] || "#ccc";
 }
 
-export function laneText(lane) {
+export function laneText(model, lane) {
   const ttft = lane.firstToken !== null ? `${((lane.firstToken - lane.arrival) * 1000).toFixed(1)} ms` : "–";
-  const lines = [lane.id, `arrived ${lane.arrival.toFixed(3)} s`];
+  const lines = [model.nameOf(lane.id), `arrived ${lane.arrival.toFixed(3)} s`];
   if (lane.prompt !== null) lines.push(`prompt ${lane.prompt} tokens${lane.cached ? ` (${lane.cached} cached)` : ""}`);
   lines.push(`TTFT ${ttft}`, `preemptions ${lane.preemptions}`);
   lines.push(lane.finish !== null ? `finished: ${lane.reason} at ${lane.finish.toFixed(3)} s` : `now ${lane.state}`);

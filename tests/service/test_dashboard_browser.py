@@ -136,6 +136,10 @@ def test_live_dashboard_shows_steps_and_a_forced_preemption(
     pg.wait_for_function("() => +document.querySelector('.run').dataset.finished >= 6", timeout=60_000)
     (live,) = panels(pg)
     assert int(live["steps"]) >= 20 and int(live["preemptions"]) >= 1
+    # lanes are keyed by the stream's short keys and shown by the requests' ids
+    lanes = pg.evaluate("(() => { const m = window.stepserveDashboard.panels[0].model;"
+                        " return [...m.lanes.keys()].map((k) => [k, m.nameOf(k)]); })()")
+    assert len(lanes) == 6 and all(len(k) < 4 and name.startswith("cmpl-") for k, name in lanes), lanes
     assert_not_blank(shot)
     assert_not_blank(busy)
     _save_for_docs(busy)

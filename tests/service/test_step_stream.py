@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 from record_schema import check_step, full
+from sched_driver import MirrorWorker, make_request
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.step_records import empty_record
@@ -22,6 +23,12 @@ from service.step_records import StepRecordHub
 
 pytestmark = pytest.mark.asyncio
 MODEL = "instant"
+
+
+def _taken(sub: Any) -> list[dict[str, Any]]:
+    """The events a subscription hands its stream handler, parsed."""
+    blocks = b"".join(sub.take()).split(b"\n\n")
+    return [orjson.loads(b[len(b"data: "):]) for b in blocks if b]
 
 
 def _record(step: int, **fields: Any) -> dict[str, Any]:
@@ -34,13 +41,45 @@ async def test_a_full_buffer_folds_the_oldest_records_into_a_gap() -> None:
     for i in range(10):
         hub.publish(_record(i, tokens=2, first=[f"r{i}"] if i < 2 else [], finished=[[f"r{i}", "length"]]))
     assert len(sub.buffer) == 3 and sub.dropped == 7
-    events = [orjson.loads(e[len(b"data: "):]) for e in sub.take()]
+    events = _taken(sub)
     gap, *steps = events
     assert gap["type"] == "gap" and (gap["from_step"], gap["to_step"], gap["steps"]) == (0, 6, 7)
     assert gap["tokens"] == 14 and gap["first"] == ["r0", "r1"]
     assert [f[0] for f in gap["finished"]] == [f"r{i}" for i in range(7)]  # lifecycle survives
     assert [s["step"] for s in steps] == [7, 8, 9]
     assert not inspect.iscoroutinefunction(hub.publish) and not inspect.iscoroutinefunction(sub.push)
+
+
+async def test_a_viewer_joining_mid_run_gets_every_running_request_named() -> None:
+    """Short keys: the hello's `state.requests` names what runs already; later records use
+    those keys, and requests admitted later come with their id in `new`."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=64))
+    worker = MirrorWorker(4, 64)
+    for i in range(3):
+        sched.add_request(make_request(f"cmpl-early-{i}", 6, 20))
+
+    def step(hub: StepRecordHub, t: float) -> None:
+        plan = sched.schedule(t)
+        hub.on_plan(plan, t)
+        out = worker.execute(plan)
+        hub.on_output(plan, out, sched.update_from_output(plan, out, t), t)
+
+    hub = StepRecordHub(sched, clock=lambda: 0.0)
+    for k in range(3):  # nobody listens yet: nothing recorded
+        step(hub, float(k))
+    sub = hub.subscribe()
+    state = hub.hello()["state"]
+    named = dict(state["requests"])
+    assert sorted(named.values()) == [f"cmpl-early-{i}" for i in range(3)]
+    assert set(state["blocks"]["tables"]) == set(named)  # the map speaks in keys too
+    sched.add_request(make_request("cmpl-late", 6, 5))
+    for k in range(3, 8):
+        step(hub, float(k))
+    records = [full(e) for e in _taken(sub)]
+    late = [n for r in records for n in r["new"]]
+    assert [(n[4], n[0] not in named) for n in late] == [("cmpl-late", True)]
+    keys = {k for r in records for k in r["decode"] + [p[0] for p in r["prefill"]]}
+    assert keys == set(named) | {late[0][0]}
 
 
 async def test_without_subscribers_no_record_is_built(make_client: Callable[..., Any]) -> None:
@@ -53,7 +92,7 @@ async def test_without_subscribers_no_record_is_built(make_client: Callable[...,
         assert (await client.post("/v1/completions", json=body)).status == 200
         await asyncio.sleep(0.05)
         assert hub.published >= 20 and len(sub.buffer) == hub.published
-        assert hub.recorder._prompt_len == {}  # the finished request is forgotten
+        assert hub.recorder._keys == {} and hub.recorder._decoding == set()  # the finished request is forgotten
         hub.unsubscribe(sub)
         assert not hub.subscribers
 
@@ -80,7 +119,7 @@ async def test_engine_finishes_while_five_subscribers_never_read(make_client: Ca
         assert plans > 40 and hub.published == plans
         for sub in subs:  # every record reached every buffer; the oldest were folded, none lost
             assert len(sub.buffer) == 16 and sub.dropped == plans - 16
-            events = [full(orjson.loads(e[len(b"data: "):])) for e in sub.take()]
+            events = [full(e) for e in _taken(sub)]
             finished = [f[0] for e in events for f in e["finished"]]
             assert len(finished) == 24 == len(set(finished))
             assert sum(e["tokens"] for e in events) == 24 * 40
@@ -119,6 +158,12 @@ async def test_stream_sends_hello_then_step_records_without_text(make_client: Ca
         assert len(steps) >= 20
         assert {r[0] for s in steps for r in s["new"]} and any(s["decode"] for s in steps)
         assert all("zebra" not in orjson.dumps(e).decode() for e in events)
+        # requests are named by short keys; each key's `new` entry gives the request's id
+        names = {key: rid for s in steps for key, _, _, _, rid in s["new"]}
+        assert len(names) == 4 and all(rid.startswith("cmpl-") and len(key) < 4 for key, rid in names.items())
+        named = {k for s in steps for k in s["decode"] + s["first"] + [f[0] for f in s["finished"]]}
+        assert named == set(names)
+        assert sorted(f[1] for s in steps for f in s["finished"]) == ["length"] * 4
         resp.close()
 
 
@@ -202,3 +247,21 @@ async def test_disable_dashboard_removes_every_route(make_client: Callable[..., 
             assert (await client.get(path)).status == 404, path
         assert (await client.post("/dashboard/login", data={"key": "x"})).status == 404
         assert not state.loaded.engine.step_records.subscribers
+
+
+async def test_viewers_in_step_share_one_encoding_and_a_lagging_one_gets_its_own() -> None:
+    hub = StepRecordHub(Scheduler(SchedulerConfig(num_gpu_blocks=4)), buffer_records=8)
+    a, b, c = hub.subscribe(), hub.subscribe(), hub.subscribe()
+    for i in range(3):
+        hub.publish(_record(i, tokens=1))
+    first = a.take()
+    assert b.take()[0] is first[0]  # the same bytes object: joined once
+    for i in range(3, 5):
+        hub.publish(_record(i, tokens=1))
+    assert [e["step"] for e in _taken(a)] == [3, 4]
+    assert [e["step"] for e in _taken(c)] == [0, 1, 2, 3, 4]  # c never read: all five, its own join
+    assert [e["step"] for e in _taken(b)] == [3, 4]
+    for i in range(5, 20):  # b falls behind: a gap first, then what its buffer held
+        hub.publish(_record(i, tokens=1))
+    gap, *rest = _taken(b)
+    assert gap["type"] == "gap" and gap["steps"] == 7 and [e["step"] for e in rest] == list(range(12, 20))

@@ -25,8 +25,9 @@ def check_step(rec: dict[str, Any], num_blocks: int) -> dict[str, Any]:
     assert all(isinstance(i, str) for i in r["decode"] + r["padding"] + r["first"] + r["aborted"])
     for rid, n, ctx in r["prefill"]:
         assert isinstance(rid, str) and n >= 1 and ctx >= 0
-    for rid, arrival, prompt, cached in r["new"]:
+    for rid, arrival, prompt, cached, *name in r["new"]:
         assert isinstance(rid, str) and arrival is not None and prompt >= 1 and 0 <= cached < prompt
+        assert name == [] or (len(name) == 1 and isinstance(name[0], str) and name[0] != rid)
     for victim, reason, mode, by in r["preempted"]:
         assert isinstance(victim, str) and reason in PREEMPT_REASONS and mode in PREEMPT_MODES and isinstance(by, str)
     for rid, reason in r["finished"]:
