@@ -14,8 +14,8 @@ behind gets coalesced events):
 
 Levels (`--concurrency`): that many streaming completions at once (greedy, ignore_eos).
 
-Reader scenarios (`--scenarios`), each on a fresh server: `--normal-streams` streams read as
-fast as they can, alone ("baseline"), next to `--special-streams` readers that read
+Reader scenarios (`--scenarios`), each on a fresh server: `--normal-streams` streams of
+`--scenario-tokens` tokens read as fast as they can, alone ("baseline"), next to `--special-streams` readers that read
 `--slowdown` times slower than a normal stream receives bytes ("slow"), or that read their
 first event and then nothing while keeping the socket open ("stalled"). Reported: the
 normal streams' ITL and throughput, the server process's peak RSS (sampled every 50 ms),
@@ -23,7 +23,7 @@ both as ratios to the baseline, and what the special readers received.
 
     python bench/frontdoor.py                       # levels 64 and 512, then the three scenarios
     python bench/frontdoor.py --concurrency 64 --tokens 128 --scenarios none
-    python bench/frontdoor.py --concurrency 16 --tokens 16 --normal-streams 8 --special-streams 2  # toy
+    python bench/frontdoor.py --concurrency 16 --tokens 16 --scenario-tokens 16 --normal-streams 8 --special-streams 2  # toy
     python bench/frontdoor.py ... --profile DIR     # each server under cProfile: DIR/<run>.prof
 """
 
@@ -229,7 +229,7 @@ async def run_scenario(server: Server, kind: str, args: argparse.Namespace, byte
         if special:
             await asyncio.sleep(0.2)  # the special readers are running before the measured ones start
         start = time.perf_counter()
-        normal = await asyncio.gather(*[one_stream(session, server.url, f"Stream {i} says", args.tokens)
+        normal = await asyncio.gather(*[one_stream(session, server.url, f"Stream {i} says", args.scenario_tokens)
                                         for i in range(args.normal_streams)])
         wall = time.perf_counter() - start
         done.set()
@@ -291,7 +291,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if kind != "baseline":
                 runs[kind].update(_ratios(runs[kind], runs["baseline"]))
         out["readers"] = {"normal_streams": args.normal_streams, "special_streams": args.special_streams,
-                          "slowdown": args.slowdown, "tokens": args.tokens, "special_tokens": args.special_tokens,
+                          "slowdown": args.slowdown, "tokens": args.scenario_tokens, "special_tokens": args.special_tokens,
                           "stream_stall_timeout": args.stream_stall_timeout, "runs": runs}
     return out
 
@@ -305,12 +305,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--normal-streams", type=int, default=64)
     parser.add_argument("--special-streams", type=int, default=8, help="slow or stalled readers (default %(default)s)")
     parser.add_argument("--slowdown", type=float, default=10.0, help="how many times slower the slow readers read")
-    parser.add_argument("--special-tokens", type=int, default=None, help="tokens per special stream (default 4x --tokens)")
+    parser.add_argument("--scenario-tokens", type=int, default=1024,
+                        help="tokens per normal stream in the reader scenarios (default %(default)s: ~1.5 s runs; at "
+                             "256 a run lasts half a second and its p99 is a handful of gaps)")
+    parser.add_argument("--special-tokens", type=int, default=None,
+                        help="tokens per special stream (default 4x --scenario-tokens)")
     parser.add_argument("--stream-stall-timeout", type=float, default=60.0, help="the server's flag (default %(default)s)")
     parser.add_argument("--profile", type=Path, default=None, help="directory for each server's cProfile stats")
     args = parser.parse_args(argv)
     args.scenarios = [s for s in args.scenarios if s != "none"]
-    args.special_tokens = args.special_tokens or 4 * args.tokens
+    args.special_tokens = args.special_tokens or 4 * args.scenario_tokens
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     print(json.dumps(asyncio.run(run(args)), indent=2))
