@@ -36,6 +36,7 @@ RECORD_VERSION = 1
 MAP_COST_RATIO = 200  # a block map costs at most 1/200 of the wall time between maps
 _MAX_PENDING = 8  # plans recorded but never answered (a simulator drops its last one)
 _NEW_BLOCKS = attrgetter("new_block_ids")
+_REQ_ID = attrgetter("req_id")
 
 Record = dict[str, Any]
 
@@ -241,36 +242,44 @@ class StepRecorder:
 
     def _composition(self, plan: SchedulerOutput, rec: Record) -> bool:
         """Fill decode / prefill / new / resumed / swapped_in; True if a block table changed."""
-        counts, keys, decoding = plan.num_scheduled_tokens, self._keys, self._decoding
-        cached = plan.scheduled_cached_reqs
-        changed = bool(plan.scheduled_new_reqs) or any(map(_NEW_BLOCKS, cached))
+        counts, keys, decoding, prompt = plan.num_scheduled_tokens, self._keys, self._decoding, self._prompt
+        cached, new_reqs = plan.scheduled_cached_reqs, plan.scheduled_new_reqs
+        changed = bool(new_reqs) or any(map(_NEW_BLOCKS, cached))
         others = counts.keys() - decoding
-        if not others:  # the steady state: every request decodes, in C loops only
-            rec["decode"] = list(map(keys.__getitem__, counts))
-            return changed
-        decode, prefill, prompt = rec["decode"], rec["prefill"], self._prompt
-        for d in cached:
-            rid = d.req_id
-            if rid not in others:
-                decode.append(keys[rid])
-                continue
-            key = self._learn(rid)
-            if d.resumed_from_preemption:
-                if d.new_block_ids:
-                    self._resumed(plan, key, d.new_block_ids[0], rec)
+        if new_reqs:
+            others.difference_update(new.req_id for new in new_reqs)
+        new_tokens = sum(counts[new.req_id] for new in new_reqs) if new_reqs else 0
+        if not others and plan.total_num_scheduled_tokens - new_tokens == len(cached):
+            # The steady state: every running request decodes (each was recorded decoding, is
+            # not preempted since, and computes one token), so C loops build the list.
+            if cached:
+                rec["decode"] = list(map(keys.__getitem__, map(_REQ_ID, cached)))
+        else:
+            decode, prefill = rec["decode"], rec["prefill"]
+            for d in cached:
+                rid = d.req_id
+                if rid not in others:
+                    decode.append(keys[rid])
+                    continue
+                key = self._learn(rid)
+                if d.resumed_from_preemption:
+                    if d.new_block_ids:
+                        self._resumed(plan, key, d.new_block_ids[0], rec)
+                    else:
+                        rec["resumed"].append(key)
+                n, ctx = counts[rid], d.num_computed_tokens
+                if n == 1 and ctx >= prompt[rid]:
+                    decode.append(key)
+                    decoding.add(rid)
                 else:
-                    rec["resumed"].append(key)
-            n, ctx = counts[rid], d.num_computed_tokens
-            if n == 1 and ctx >= prompt[rid]:
-                decode.append(key)
-                decoding.add(rid)
-            else:
-                prefill.append([key, n, ctx])
-        for new in plan.scheduled_new_reqs:
-            rid, num_prompt = new.req_id, len(new.prompt_token_ids)
+                    prefill.append([key, n, ctx])
+        for new in new_reqs:
+            rid, num_prompt, n = new.req_id, len(new.prompt_token_ids), counts[new.req_id]
             key = self._learn(rid)  # known already if a viewer's hello named it
             prompt[rid] = num_prompt
-            prefill.append([key, counts[rid], new.num_computed_tokens])
+            rec["prefill"].append([key, n, new.num_computed_tokens])
+            if new.num_computed_tokens + n >= num_prompt:
+                decoding.add(rid)  # its prompt is done: it samples now, and decodes from the next plan
             req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
             entry = [key, arrival, num_prompt, new.num_computed_tokens]

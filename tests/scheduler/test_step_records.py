@@ -3,10 +3,12 @@ preemptions with their causes, queue and KV counts, the block map, emitted token
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from record_schema import check_step, full
 from sched_driver import MirrorWorker, make_request
 
@@ -155,3 +157,35 @@ def test_the_page_knows_every_record_key() -> None:
     assert body is not None
     keys = set(re.findall(r"(\w+):", body.group(1)))
     assert keys == set(empty_record(0))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_decode_and_prefill_follow_the_rule_in_every_step(mode: str) -> None:
+    """The recorder's fast path (steps where everything decodes) must agree with its rule,
+    checked on every plan of a run with chunked prefill, preemptions (recompute: 1-token and
+    multi-token recompute chunks; swap: swapped back in) and late arrivals: a request
+    decodes when it computes one token at or past its prompt; everything else is prefill."""
+    cfg = SchedulerConfig(max_num_batched_tokens=24, num_gpu_blocks=14, num_cpu_blocks=40, block_size=4,
+                          max_model_len=128, preemption_mode=mode)
+    sched = Scheduler(cfg)
+    rng = random.Random(7)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", rng.choice([3, 9, 30]), rng.randint(5, 25)))
+    prompt: dict[str, int] = {}
+
+    def check(plan: Any, rec: dict[str, Any]) -> None:
+        for new in plan.scheduled_new_reqs:
+            prompt[new.req_id] = len(new.prompt_token_ids)
+        counts = plan.num_scheduled_tokens
+        want = [d.req_id for d in plan.scheduled_cached_reqs
+                if counts[d.req_id] == 1 and d.num_computed_tokens >= prompt[d.req_id]]
+        assert rec["decode"] == want
+        assert sorted(p[0] for p in rec["prefill"]) == sorted(set(counts) - set(want))
+
+    worker, recorder = MirrorWorker(4, 14), StepRecorder(sched)
+    records = _run(sched, worker, recorder, steps=12, check=check)
+    for i in range(6, 10):
+        sched.add_request(make_request(f"r{i}", rng.choice([3, 30]), rng.randint(5, 25)))
+    records += _run(sched, worker, recorder, check=check)
+    assert sum(len(r["preempted"]) for r in records) >= 2
+    assert sum(1 for r in records if r["decode"] and not r["prefill"]) >= 10  # the fast path ran
