@@ -14,7 +14,10 @@ outliers). The server process's CPU time per step is reported too.
 The viewers read in a process of their own, at `--viewer-nice` (default 19): the cost of the
 dashboard *to the engine* is the records it builds, encodes and writes; the browsers that
 read them normally run on other machines. On a 2-core box a viewer at the server's priority
-takes its CPU from the server and the worker (`--viewer-nice 0` measures that too).
+takes its CPU from the server and the worker (`--viewer-nice 0` measures that too). The
+engine's process runs alone on the first CPU, its worker and every client on the others
+(`--no-pin`: the OS places them): three busy processes trading two cores at random made
+rounds differ by more than the effect measured.
 
     python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 8 pairs
     python bench/dashboard_cost.py --streams 8 --rounds 1 --duration 2 --warmup 1   # toy size
@@ -118,6 +121,31 @@ async def start_viewers(url: str, viewers: int, seconds: float, nice: int) -> as
         stdout=asyncio.subprocess.PIPE, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+    return out
+
+
+def pin(server_pid: int) -> dict[str, list[int]] | None:
+    """The engine's process alone on the first CPU; its worker, this process and the viewers
+    (started later, they inherit it) on the others. On 2 cores three busy processes
+    otherwise trade the cores at random, and that noise is larger than the effect."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    engine, rest = {cpus[0]}, set(cpus[1:])
+    os.sched_setaffinity(server_pid, engine)
+    for child in _children(server_pid):
+        os.sched_setaffinity(child, rest)
+    os.sched_setaffinity(0, rest)
+    return {"engine": sorted(engine), "worker_and_clients": sorted(rest)}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc; nan elsewhere)."""
     try:
@@ -154,9 +182,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     proc = start_server(port, args.streams)
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=0)
+    pinned = None
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             await wait_healthy(session, url, proc)
+            pinned = pin(proc.pid) if args.pin else None
             load = [asyncio.create_task(stream_forever(session, url, args.tokens, stop)) for _ in range(args.streams)]
             rounds = []
             for _ in range(args.rounds):
@@ -175,7 +205,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]
     period = [w["step_period_ms"] / wo["step_period_ms"] for wo, w in pairs]
     cpu = [w["server_cpu_ms_per_step"] / wo["server_cpu_ms_per_step"] for wo, w in pairs]
-    return {"config": vars(args), "rounds": rounds,
+    return {"config": vars(args), "pinned": pinned, "rounds": rounds,
             "step_period_ms_without": statistics.median(wo["step_period_ms"] for wo, _ in pairs),
             "step_period_ms_with": statistics.median(w["step_period_ms"] for _, w in pairs),
             "pair_ratios": [round(r, 4) for r in period],
@@ -195,6 +225,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=6.0, help="seconds measured per round")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each round's measurement")
     p.add_argument("--viewer-nice", type=int, default=19, help="niceness of the viewers' process (0: as the server)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave CPU placement to the OS (default: the engine alone on the first CPU)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=2))
 
