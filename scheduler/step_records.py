@@ -35,6 +35,7 @@ from scheduler.scheduler import Scheduler
 RECORD_VERSION = 1
 MAP_COST_RATIO = 200  # a block map costs at most 1/200 of the wall time between maps
 _MAX_PENDING = 8  # plans recorded but never answered (a simulator drops its last one)
+_SLACK_KEYS = 256  # keys of departed requests tolerated before a sweep
 _NEW_BLOCKS = attrgetter("new_block_ids")
 _REQ_ID = attrgetter("req_id")
 
@@ -201,6 +202,13 @@ class StepRecorder:
         self._pending[plan.step_id] = rec
         if len(self._pending) > _MAX_PENDING:
             del self._pending[min(self._pending)]
+        if len(self._keys) > 2 * len(self.sched.requests) + _SLACK_KEYS:
+            # Requests a hello named that left without a plan naming their end (aborted while
+            # waiting): forget them. Every other end was recorded by now (outputs are applied,
+            # and aborts named, before the next plan).
+            live = self.sched.requests
+            for rid in [r for r in self._keys if r not in live]:
+                self._forget(rid)
 
     def on_output(self, plan: SchedulerOutput, outputs: Sequence[RequestOutput], now: float,
                   step_seconds: float | None, execute_seconds: float | None = None,

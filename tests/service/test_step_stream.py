@@ -265,3 +265,26 @@ async def test_viewers_in_step_share_one_encoding_and_a_lagging_one_gets_its_own
         hub.publish(_record(i, tokens=1))
     gap, *rest = _taken(b)
     assert gap["type"] == "gap" and gap["steps"] == 7 and [e["step"] for e in rest] == list(range(12, 20))
+
+
+async def test_keys_of_requests_that_leave_unscheduled_are_swept() -> None:
+    """A hello names waiting requests; those aborted before any plan never reach a record's
+    `aborted` list, so the recorder must not keep their keys for the stream's whole life."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=1))
+    worker = MirrorWorker(4, 64)
+    hub = StepRecordHub(sched, clock=lambda: 0.0)
+    sub = hub.subscribe()
+    sched.add_request(make_request("cmpl-runner", 6, 100))
+    for round_ in range(4):
+        for i in range(200):
+            sched.add_request(make_request(f"cmpl-q{round_}-{i}", 6, 5))
+        hub.hello()  # a viewer connects: every waiting request gets a key
+        for i in range(200):
+            sched.abort(f"cmpl-q{round_}-{i}")
+        plan = sched.schedule(float(round_))
+        hub.on_plan(plan, float(round_))
+        out = worker.execute(plan)
+        hub.on_output(plan, out, sched.update_from_output(plan, out, float(round_)), float(round_))
+    assert len(hub.recorder._keys) <= 2 * len(sched.requests) + 256
+    assert "cmpl-runner" in hub.recorder._keys
+    sub.take()
