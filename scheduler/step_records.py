@@ -266,9 +266,10 @@ class StepRecorder:
             decode, prefill = rec["decode"], rec["prefill"]
             for d in cached:
                 rid = d.req_id
-                if rid not in others:
+                if rid not in others and counts[rid] == 1:
                     decode.append(keys[rid])
                     continue
+                decoding.discard(rid)  # more than one token: a recompute chunk after all
                 key = self._learn(rid)
                 if d.resumed_from_preemption:
                     if d.new_block_ids:

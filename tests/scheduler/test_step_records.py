@@ -189,3 +189,31 @@ def test_decode_and_prefill_follow_the_rule_in_every_step(mode: str) -> None:
     records += _run(sched, worker, recorder, check=check)
     assert sum(len(r["preempted"]) for r in records) >= 2
     assert sum(1 for r in records if r["decode"] and not r["prefill"]) >= 10  # the fast path ran
+
+
+def test_a_recompute_chunk_after_a_one_token_chunk_is_prefill() -> None:
+    """Hand-built plans: a preempted request recomputes one token (past its prompt: counted
+    as a decode), then three more in one chunk: that chunk is prefill, not a decode."""
+    from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from scheduler.sampling import SamplingParams
+
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=8, block_size=4, max_model_len=64))
+    recorder = StepRecorder(sched)
+
+    def plan(step: int, new: tuple = (), cached: tuple = (), counts: dict | None = None) -> SchedulerOutput:
+        counts = counts or {}
+        return SchedulerOutput(step, new, cached, counts, sum(counts.values()), frozenset(), frozenset(), frozenset())
+
+    steps = [
+        plan(0, new=(NewRequestData("A", (1, 2, 3, 4), SamplingParams(max_tokens=9), (0,), 0),), counts={"A": 4}),
+        plan(1, cached=(CachedRequestData("A", (1,), 4, False),), counts={"A": 1}),
+        plan(2, cached=(CachedRequestData("A", (2, 3), 4, True),), counts={"A": 1}),  # back after preemption
+        plan(3, cached=(CachedRequestData("A", (), 5, False),), counts={"A": 3}),
+    ]
+    kinds = []
+    for i, p in enumerate(steps):
+        sched.last_preemptions = (("A", "kv", "recompute", "A"),) if i == 2 else ()
+        recorder.on_plan(p, float(i))
+        rec = recorder._pending.pop(p.step_id)
+        kinds.append(("decode" if rec["decode"] else "") + ("prefill" if rec["prefill"] else ""))
+    assert kinds == ["prefill", "decode", "decode", "prefill"]
