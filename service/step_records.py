@@ -24,13 +24,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import orjson
-
 from scheduler.interface import SchedulerInterface
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from scheduler.step_records import Predictor, Record, StepRecorder, compact, scheduler_hello
 from service.output_processor import StepDelivery
+from service.sse import event
 
 BUFFER_RECORDS = 512  # per subscriber: ~1 s of steps at 64 streams on the instant worker
 MAP_INTERVAL_S = 0.25  # the live block map: at most 4 a second (a map costs ~100x a record)
@@ -49,7 +48,7 @@ class _Entry:
 
     def encoded(self) -> bytes:
         if self._bytes is None:
-            self._bytes = b"data: " + orjson.dumps(compact(self.record)) + b"\n\n"
+            self._bytes = event(compact(self.record))
         return self._bytes
 
 
@@ -108,24 +107,17 @@ class Subscription:
         """Everything buffered, encoded, the gap (if any) first.
 
         Viewers that flush on the same tick (the stream handlers align their flushes) hold
-        the same entries: the first of them joins the events, the others reuse its bytes."""
+        the same run of entries: the first of them joins it, the others reuse its bytes."""
         self._ready.clear()
-        if not self.buffer:
-            out = [] if self.gap is None else [b"data: " + orjson.dumps(self.gap) + b"\n\n"]
-            self.gap = None
-            return out
-        span = (self.buffer[0], self.buffer[-1], len(self.buffer))
-        shared = self.hub.joined
-        if self.gap is None and shared is not None and shared[:3] == span:
-            self.buffer.clear()
-            return [shared[3]]
-        joined = b"".join(entry.encoded() for entry in self.buffer)
-        self.buffer.clear()
-        self.hub.joined = (*span, joined)
-        if self.gap is None:
-            return [joined]
-        out = [b"data: " + orjson.dumps(self.gap) + b"\n\n", joined]
+        out = [] if self.gap is None else [event(self.gap)]
         self.gap = None
+        if self.buffer:
+            span = (self.buffer[0], self.buffer[-1], len(self.buffer))
+            shared = self.hub.joined
+            if shared is None or shared[:3] != span:
+                shared = self.hub.joined = (*span, b"".join(entry.encoded() for entry in self.buffer))
+            self.buffer.clear()
+            out.append(shared[3])
         return out
 
     async def wait(self, timeout: float) -> list[bytes] | None:
