@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,13 +40,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.servers import free_port, wait_healthy  # noqa: E402
+
 STEP = "stepserve:step_duration_seconds"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
@@ -56,18 +52,6 @@ def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
            "--worker-runner", "worker.instant_runner:InstantRunner", "--kv-cache-memory", "4GiB",
            "--max-num-seqs", str(streams), "--max-waiting-requests", "100000"]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        with contextlib.suppress(aiohttp.ClientError):
-            async with session.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.25)
-    raise RuntimeError("server did not become healthy")
 
 
 async def step_histogram(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -122,13 +106,8 @@ async def start_viewers(url: str, viewers: int, seconds: float, nice: int) -> as
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-    return out
+    """The process's children, as Linux lists them per thread."""
+    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
 
 
 def pin(server_pid: int) -> dict[str, list[int]] | None:
@@ -177,7 +156,7 @@ async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Names
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(port, args.streams)
     stop = asyncio.Event()
@@ -185,7 +164,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     pinned = None
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            await wait_healthy(session, url, proc)
+            await asyncio.to_thread(wait_healthy, url, proc)
             pinned = pin(proc.pid) if args.pin else None
             load = [asyncio.create_task(stream_forever(session, url, args.tokens, stop)) for _ in range(args.streams)]
             rounds = []

@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,10 @@ import aiohttp
 import orjson
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.servers import free_port, wait_healthy  # noqa: E402
+
 T = TypeVar("T")
 
 
@@ -59,15 +62,9 @@ class Server:
     url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -> Server:
     """`stepserve serve` with an InstantRunner worker, sized so no stream ever waits for KV."""
-    port = _free_port()
+    port = free_port()
     python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
     cmd = [
         *python, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
@@ -82,22 +79,6 @@ def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -
 def stop_server(server: Server) -> None:
     server.proc.send_signal(signal.SIGINT)  # drains like SIGTERM; cProfile writes its file on this exit
     server.proc.wait(120)
-
-
-async def wait_healthy(server: Server, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {server.proc.returncode}")
-            try:
-                async with session.get(server.url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError("server did not become healthy")
 
 
 @dataclass
@@ -266,7 +247,7 @@ async def _on_server(name: str, max_seqs: int, args: argparse.Namespace,
     profile = args.profile / f"{name}.prof" if args.profile else None
     server = start_server(max_seqs, ["--stream-stall-timeout", str(args.stream_stall_timeout)], profile)
     try:
-        await wait_healthy(server)
+        await asyncio.to_thread(wait_healthy, server.url, server.proc, 300.0)
         return await work(server)
     finally:
         stop_server(server)
