@@ -19,7 +19,7 @@ engine's process runs alone on the first CPU, its worker and every client on the
 (`--no-pin`: the OS places them): three busy processes trading two cores at random made
 rounds differ by more than the effect measured.
 
-    python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 8 pairs
+    python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 16 pairs
     python bench/dashboard_cost.py --streams 8 --rounds 1 --duration 2 --warmup 1   # toy size
 """
 
@@ -189,6 +189,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "step_period_ms_with": statistics.median(w["step_period_ms"] for _, w in pairs),
             "pair_ratios": [round(r, 4) for r in period],
             "difference_pct": (statistics.median(period) - 1) * 100,
+            # the spread a single pair shows: the quartiles of the pairs' differences
+            "pair_difference_pct_quartiles": ([round((q - 1) * 100, 2) for q in statistics.quantiles(period, n=4)]
+                                              if len(period) > 1 else None),
             "server_cpu_difference_pct": (statistics.median(cpu) - 1) * 100, "goal_pct": 2.0}
 
 
@@ -200,7 +203,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=64, help="streaming requests in flight at all times")
     p.add_argument("--viewers", type=int, default=5, help="dashboards connected in the 'with' rounds")
     p.add_argument("--tokens", type=int, default=256, help="max_tokens of each request")
-    p.add_argument("--rounds", type=int, default=8, help="pairs of (without, with) rounds")
+    p.add_argument("--rounds", type=int, default=16, help="pairs of (without, with) rounds")
     p.add_argument("--duration", type=float, default=6.0, help="seconds measured per round")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each round's measurement")
     p.add_argument("--viewer-nice", type=int, default=19, help="niceness of the viewers' process (0: as the server)")
