@@ -90,9 +90,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "where a C++ compiler is found and kept where it measures faster")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch invariance: a request's logits are the same alone, batched, chunked, "
-                        "preempted or swapped (every attention through the C++ kernel; long prefills ~20%% slower). "
-                        "Needs quantization gguf and the C++ CPU attention. Without it greedy outputs agree in "
-                        "practice but logits may differ in the last bits once a chunk exceeds 16 tokens; the "
+                        "preempted or swapped (every attention through the C++ kernel, every GGUF product in "
+                        "float32; long prefills ~20%% slower, a lone decode ~6%% slower where the CPU has "
+                        "AVX512_BF16). Needs quantization gguf and the C++ CPU attention. Without it greedy outputs "
+                        "agree in practice but logits may differ in the last bits once a chunk exceeds 16 tokens "
+                        "or a request decodes alone (its products then take 16-bit activations); the "
                         "reference mode (--dtype float32 --quantization none --enforce-eager, equal to "
                         "transformers) is not bitwise invariant either (dense BLAS blocks by batch size)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")

@@ -1,7 +1,8 @@
 """stepserve's C++ CPU kernels (`csrc/`): built on the machine at first use, loaded once.
 
     csrc/paged_attention.cpp   attention reading the paged KV cache in place (worker.cpu_attention)
-    csrc/lowbit_linear.cpp     GGUF Q4 / Q8 blocks times float32 activations (worker.linear.GGUFLinear)
+    csrc/lowbit_linear.cpp     GGUF Q4 / Q8 blocks times float32 activations (worker.linear.GGUFLinear;
+                               one token's Q4 product with bfloat16 dot products where the CPU has them)
 
 torch has neither for the CPU. They are compiled once per machine with the compiler torch's
 extensions use, into torch's extension cache (`TORCH_EXTENSIONS_DIR`), with the vector
@@ -40,7 +41,9 @@ def isa_flags(cpuinfo: str) -> list[str]:
             break
     for name, needs, flags in _CAPABILITIES:
         if listed.issuperset(needs):
-            return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", *flags]
+            # bfloat16 dot products: the GGUF kernel's one-token path (csrc/lowbit_linear.cpp)
+            extra = ["-mavx512bf16"] if name == "AVX512" and "avx512_bf16" in listed else []
+            return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", *flags, *extra]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 

@@ -109,7 +109,8 @@ class Int4Linear(nn.Module):
 
 class GGUFLinear(nn.Module):
     """GGUF's Q4 / Q8 blocks (32 values each) as stored, through stepserve's C++ kernel:
-    float32 activations and outputs, weights widened in registers (see csrc/lowbit_linear.cpp)."""
+    float32 activations and outputs, weights widened in registers; a one-token Q4 product
+    takes 16-bit activations unless exact products are asked for (see csrc/lowbit_linear.cpp)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None) -> None:

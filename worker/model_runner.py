@@ -109,6 +109,14 @@ class ModelRunner(PlanRunner):
         self.attention = StepAttention(backend, self.kv_cache.layers())
         self.batch = InputBatch(self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks)
         self.executor = StepExecutor(self.batch, self)
+        # Every GGUF product in float32 (see csrc/lowbit_linear.cpp: by default a one-token
+        # product uses bfloat16 dot products where the CPU has them); set before each step,
+        # as the switch is the process's and a test may hold two runners.
+        self.exact_products = config.batch_invariant
+        self._lowbit = self.kernels.quantization == "gguf"
+        if self._lowbit and torch.ops.stepserve_cpu.set_lowbit_exact(self.exact_products) and not self.exact_products:
+            log.info("GGUF kernel: one-token Q4 products with bfloat16 dot products (activations to 16 bits); "
+                     "--batch-invariant keeps every product in float32")
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.forward, self.compiled, self.compile_note = self._forward()
         log.info("forward: %s", self.compile_note)
@@ -241,6 +249,8 @@ class ModelRunner(PlanRunner):
         """Forward over the step, then sample the requests whose chunk reached their end."""
         to_device = self.batch.to_device
         attention = self.attention.bind(self.batch.attention_metadata(step))
+        if self._lowbit:
+            torch.ops.stepserve_cpu.set_lowbit_exact(self.exact_products)
         hidden = self.forward(to_device(step.input_ids), to_device(step.positions), attention)
         states = step.sampling_states
         if not states:

@@ -1,9 +1,12 @@
 """The GGUF Q4 / Q8 kernel (csrc/lowbit_linear.cpp) against float64 products with the
 dequantized weight: every row-count path (1 row, the paired-row path for few tokens, the
-tiled path for many), output counts that leave a tail, Q4_0 / Q4_1 / Q8_0 as loaded from
-GGUF bytes, bias, and the errors for shapes it cannot run."""
+tiled path for many, the one-token bfloat16-dot path), output counts that leave a tail,
+Q4_0 / Q4_1 / Q8_0 as loaded from GGUF bytes, bias, and the errors for shapes it cannot
+run."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -97,10 +100,18 @@ def test_rejects_shapes_it_cannot_run() -> None:
         GGUFLinear.from_quantized(quantize_int8(torch.randn(8, 64), 64))
 
 
+@pytest.fixture
+def exact_products() -> Iterator[None]:
+    """Every product in float32 (the switch batch-invariant mode sets), reset after."""
+    torch.ops.stepserve_cpu.set_lowbit_exact(True)
+    yield
+    torch.ops.stepserve_cpu.set_lowbit_exact(False)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_rows_are_independent_of_the_batch(kind: str) -> None:
-    """A row's output is bitwise the same whatever else is in x (every path sums in one
-    order): what batch-invariant mode rests on."""
+def test_rows_are_independent_of_the_batch(kind: str, exact_products: None) -> None:
+    """With exact products, a row's output is bitwise the same whatever else is in x (every
+    path sums in one order): what batch-invariant mode rests on."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(51, 576, generator=gen)
     layer = GGUFLinear.from_quantized(quantize_int4(w) if kind == "int4" else quantize_int8(w, 32))
@@ -108,3 +119,36 @@ def test_rows_are_independent_of_the_batch(kind: str) -> None:
     alone = layer(x[:1])
     for m in (2, 3, 4, 5, 8, 9, 17, 64):
         assert torch.equal(layer(x[:m])[:1], alone), m
+
+
+@pytest.mark.parametrize("k", [576, 192, 96])  # 4-block groups with and without a tail
+def test_one_token_q4_takes_bfloat16_dots_where_the_cpu_has_them(k: int) -> None:
+    """By default a one-token Q4 product multiplies 16-bit activations (two bfloat16 parts)
+    where AVX512_BF16 exists: close to the float32 path, not equal to it; Q4_0 (no mins),
+    Q8 and two tokens stay float32."""
+    ops = torch.ops.stepserve_cpu
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(37, k, generator=gen)
+    q4 = quantize_int4(w)
+    layers = {"q4_1": GGUFLinear.from_quantized(q4), "q8": GGUFLinear.from_quantized(quantize_int8(w, 32))}
+    q4_0 = GGUFLinear.from_quantized(q4)
+    q4_0.offsets = torch.empty(0)  # Q4_0's form: no mins (w = d * q)
+    x = torch.randn(2, k, generator=gen) * 3
+    try:
+        has_path = ops.set_lowbit_exact(True)
+        exact = {name: layer(x[:1]) for name, layer in layers.items()} | {"q4_0": q4_0(x[:1])}
+        two = layers["q4_1"](x)
+        ops.set_lowbit_exact(False)
+        fast = {name: layer(x[:1]) for name, layer in layers.items()} | {"q4_0": q4_0(x[:1])}
+        assert torch.equal(layers["q4_1"](x), two)
+    finally:
+        ops.set_lowbit_exact(False)
+    assert torch.equal(fast["q8"], exact["q8"])
+    ref = _reference(x[:1], q4.dequantize())
+    _check(fast["q4_1"], ref)
+    _check(exact["q4_1"], ref)
+    codes_only = q4_0.codes.view(37, k // 32, 16)
+    q = torch.stack([codes_only & 15, codes_only >> 4], 2).reshape(37, k // 32, 32).double()
+    _check(fast["q4_0"], _reference(x[:1], (q * q4_0.scales.double()[..., None]).reshape(37, k)))
+    for name in ("q4_1", "q4_0"):
+        assert torch.equal(fast[name], exact[name]) is not has_path, name
