@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -74,6 +75,16 @@ constexpr int64_t kMaxRows = 8;
 
 
 #ifdef SS_W
+// Rows [row, row + count) of W (codes, scales, mins) into the cache ahead of their use.
+inline void prefetch_rows(const uint8_t* codes, const float* d, const float* m, int64_t row_bytes, int64_t groups,
+                          int64_t row, int64_t count) {
+  for (int64_t b = 0; b < count * row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(codes + row * row_bytes + b), _MM_HINT_T0);
+  for (int64_t b = 0; b < count * groups; b += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + row * groups + b), _MM_HINT_T0);
+    if (m) _mm_prefetch(reinterpret_cast<const char*>(m + row * groups + b), _MM_HINT_T0);
+  }
+}
+
 // The 32 weights of block `g` of one row as 32 / SS_W float vectors.
 template <int Bits>
 inline void block_weights(const uint8_t* codes, float d, float m, vf* w) {
@@ -124,14 +135,7 @@ void rows_vec(const float* x, int64_t mrows, int64_t K, const uint8_t* codes, co
   constexpr int64_t kAhead = 4;  // rows of W prefetched ahead of the one being read
   for (int64_t n = r0; n < r0 + rows; n += R) {
     const int64_t nr = std::min(R, r0 + rows - n);
-    if (n + kAhead * R < N) {
-      const int64_t ahead = n + kAhead * R;
-      for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead * row_bytes + b), _MM_HINT_T0);
-      for (int64_t b = 0; b < R * groups; b += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(d + ahead * groups + b), _MM_HINT_T0);
-        if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * groups + b), _MM_HINT_T0);
-      }
-    }
+    if (n + kAhead * R < N) prefetch_rows(codes, d, m, row_bytes, groups, n + kAhead * R, R);
     vf acc[kMaxRows / R][R][V];
     for (int64_t i = 0; i < mrows; ++i)
       for (int64_t r = 0; r < R; ++r)
@@ -197,9 +201,9 @@ std::atomic<bool> g_exact{false};  // set_lowbit_exact: float32 activations in e
 // 64 code bytes as 32 16-bit lanes, lane j holding bytes 2j, 2j+1 of block j / 8, whose
 // four nibbles make four planes of 32 lanes. Lane j of plane s holds weight
 // 2(j % 8) + 16(s & 1) + (s >> 1) of block j / 8, as the bfloat16 1 + q/16 (q's bits put
-// into the mantissa by one ternary-logic operation: no conversion). The activations are
-// laid out in the same order once per call (`Bf16Token`), each split into a high and a low
-// bfloat16 part. vdpbf16ps sums lane pairs into float32 lane i (of block i / 4), so
+// into the mantissa by a shift and one ternary-logic operation: no conversion). The
+// activations are laid out in the same order once per call (`Bf16Token`), each split into a
+// high and a low bfloat16 part. vdpbf16ps sums lane pairs into float32 lane i (of block i / 4), so
 // S_b = sum (1 + q/16) x over block b, and the row's output is
 //   sum_b 16 d_b (S_b - sx_b) + m_b sx_b,   sx_b = sum of block b's activations (as split).
 struct Bf16Token {
@@ -255,14 +259,7 @@ void rows_bf16dot(const Bf16Token& t, int64_t K, const uint8_t* codes, const flo
   constexpr int64_t kAhead = 4;  // passes of rows prefetched ahead, as in rows_vec
   for (int64_t n = r0; n < r0 + rows; n += R) {
     const int64_t nr = std::min(R, r0 + rows - n);
-    if (n + kAhead * R < N) {
-      const int64_t ahead = n + kAhead * R;
-      for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead * row_bytes + b), _MM_HINT_T0);
-      for (int64_t b = 0; b < R * G; b += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(d + ahead * G + b), _MM_HINT_T0);
-        if (m) _mm_prefetch(reinterpret_cast<const char*>(m + ahead * G + b), _MM_HINT_T0);
-      }
-    }
+    if (n + kAhead * R < N) prefetch_rows(codes, d, m, row_bytes, G, n + kAhead * R, R);
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < GG; ++g) {
