@@ -5,6 +5,7 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python bench/worker_step.py --dtype bfloat16 --compare-dtypes
     python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
     python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
+    python bench/worker_step.py --batches 1 --chunks 256 --context 96 512 --compare-exact
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
@@ -416,6 +417,37 @@ def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def exact_products_ab(runner: ModelRunner, args: argparse.Namespace, rounds: int = 30,
+                      steps: int = 5) -> dict[str, Any]:
+    """Batch-1 decode steps with every GGUF product in float32 against the default (the
+    kernel's one-token bfloat16-dot path where the CPU has it), the switch flipped between
+    rounds on one runner so both sides share the machine's drift; per `--context`."""
+    bench, out = Bench(runner), {}
+    for context in args.context:
+        ids = start_decodes(bench, 1, context)
+
+        def plan(ids: list[str] = ids) -> SchedulerOutput:
+            return bench.plan({}, dict.fromkeys(ids, 1))
+
+        for _ in range(steps):
+            runner.execute(plan())
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds):
+            for exact in (True, False) if r % 2 else (False, True):
+                runner.exact_products = exact
+                start = time.perf_counter()
+                for _ in range(steps):
+                    runner.execute(plan())
+                times[exact].append((time.perf_counter() - start) / steps)
+        runner.exact_products = runner.config.batch_invariant
+        pairs = [b / a for a, b in zip(times[True], times[False], strict=True)]
+        out[f"decode_1_context_{context}"] = {
+            "exact_ms": round(median(times[True]) * 1e3, 3), "default_ms": round(median(times[False]) * 1e3, 3),
+            "default_over_exact_pair_median": round(median(pairs), 3)}
+        bench.finish(ids)
+    return out
+
+
 def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
     """Greedy continuations of fixed random prompts (for comparing dtypes)."""
     bench = Bench(runner)
@@ -455,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
     parser.add_argument("--breakdown", action="store_true",
                         help="also break each decode batch's step (and one prefill chunk) into phases and operator groups")
+    parser.add_argument("--compare-exact", action="store_true",
+                        help="also time batch-1 decodes (each --context) with every GGUF product in float32 against "
+                             "the default, alternating rounds on one runner")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
@@ -470,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.breakdown:
         report["breakdown"] = breakdown(runner, args)
+    if args.compare_exact:
+        report["exact_products"] = exact_products_ab(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

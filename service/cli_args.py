@@ -91,7 +91,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch invariance: a request's logits are the same alone, batched, chunked, "
                         "preempted or swapped (every attention through the C++ kernel, every GGUF product in "
-                        "float32; long prefills ~20%% slower, a lone decode ~6%% slower where the CPU has "
+                        "float32; long prefills ~20%% slower, a lone decode 2-9%% slower where the CPU has "
                         "AVX512_BF16). Needs quantization gguf and the C++ CPU attention. Without it greedy outputs "
                         "agree in practice but logits may differ in the last bits once a chunk exceeds 16 tokens "
                         "or a request decodes alone (its products then take 16-bit activations); the "
