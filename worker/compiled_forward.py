@@ -63,6 +63,9 @@ def compile_forward(
     if missing is not None:
         return CompileResult(eager, False, f"eager: {missing}")
     _configure_inductor()
+    # Guards evaluated in full while this forward compiles: with an earlier runner's stance
+    # (below) still set, dynamo would take that runner's graph, weights frozen in, for this one.
+    torch.compiler.set_stance("default")
     compiled_fn = torch.compile(eager, dynamic=None)
 
     def compiled(input_ids: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
