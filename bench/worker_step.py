@@ -5,7 +5,7 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python bench/worker_step.py --dtype bfloat16 --compare-dtypes
     python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
     python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
-    python bench/worker_step.py --batches 1 --chunks 256 --context 96 512 --compare-exact
+    python bench/worker_step.py --batches 1 16 --chunks 256 --context 96 --compare-activations
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
@@ -216,10 +216,11 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
     return {key: median(v) for key, v in times.items()}
 
 
-def build_runner(args: argparse.Namespace) -> ModelRunner:
+def build_runner(args: argparse.Namespace, gguf_activations: str = "auto") -> ModelRunner:
     config = WorkerConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                           max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_gib << 30,
-                          num_threads=args.threads, enforce_eager=args.enforce_eager)
+                          num_threads=args.threads, enforce_eager=args.enforce_eager,
+                          gguf_activations=gguf_activations)
     if args.model_shape is None:
         return ModelRunner(config)
     if not args.random_weights:
@@ -258,7 +259,7 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
                 "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
                 "roofline_ms": round(bound * 1e3, 2), "roofline_fraction": round(bound / seconds, 3),
             }
-    return {"dtype": info.dtype, "quantization": info.quantization, "compiled": info.compiled,
+    return {"dtype": info.dtype, "quantization": info.quantization, "gguf_activations": runner.gguf_activations, "compiled": info.compiled,
             "weight_bytes": weight_bytes, "decode": decode, "prefill": prefill, "steps": steps}
 
 
@@ -417,34 +418,40 @@ def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def exact_products_ab(runner: ModelRunner, args: argparse.Namespace, rounds: int = 30,
-                      steps: int = 5) -> dict[str, Any]:
-    """Batch-1 decode steps with every GGUF product in float32 against the default (the
-    kernel's one-token bfloat16-dot path where the CPU has it), the switch flipped between
-    rounds on one runner so both sides share the machine's drift; per `--context`."""
-    bench, out = Bench(runner), {}
-    for context in args.context:
-        ids = start_decodes(bench, 1, context)
+def activations_ab(runner: ModelRunner, args: argparse.Namespace, rounds: int = 15, steps: int = 3) -> dict[str, Any]:
+    """The GGUF products with int8 activations (the default where the CPU runs them) against
+    float32 ones, on two runners in one process, alternating which goes first each round so
+    both share the machine's drift: every decode batch (at the first --context) and prefill
+    chunk, `steps` steps a round; medians and the median of the rounds' ratios."""
+    if runner.gguf_activations != "int8":
+        return {"skipped": f"this runner's GGUF activations are {runner.gguf_activations}, not int8"}
+    other = build_runner(args, gguf_activations="float32")
+    benches = {"int8": Bench(runner), "float32": Bench(other)}
+    context = args.context[0]
+    groups = {name: {b: start_decodes(bench, b, context) for b in args.batches} for name, bench in benches.items()}
 
-        def plan(ids: list[str] = ids) -> SchedulerOutput:
-            return bench.plan({}, dict.fromkeys(ids, 1))
+    def once(name: str, shape: tuple[str, int]) -> float:
+        bench = benches[name]
+        if shape[0] == "prefill":
+            return sum(prefill_once(bench, shape[1], 0) for _ in range(steps)) / steps
+        ids = groups[name][shape[1]]
+        return sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps)) / steps
 
-        for _ in range(steps):
-            runner.execute(plan())
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(rounds):
-            for exact in (True, False) if r % 2 else (False, True):
-                runner.exact_products = exact
-                start = time.perf_counter()
-                for _ in range(steps):
-                    runner.execute(plan())
-                times[exact].append((time.perf_counter() - start) / steps)
-        runner.exact_products = runner.config.batch_invariant
-        pairs = [b / a for a, b in zip(times[True], times[False], strict=True)]
-        out[f"decode_1_context_{context}"] = {
-            "exact_ms": round(median(times[True]) * 1e3, 3), "default_ms": round(median(times[False]) * 1e3, 3),
-            "default_over_exact_pair_median": round(median(pairs), 3)}
-        bench.finish(ids)
+    shapes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.chunks]
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for r in range(rounds + 1):
+        for shape in shapes:
+            for name in ("int8", "float32") if r % 2 else ("float32", "int8"):
+                seconds = once(name, shape)
+                if r:  # round 0 warms both up
+                    times.setdefault((name, *shape), []).append(seconds)
+    out: dict[str, Any] = {}
+    for kind, n in shapes:
+        fast, slow = times[("int8", kind, n)], times[("float32", kind, n)]
+        out[f"{kind}_{n}"] = {"int8_ms": round(median(fast) * 1e3, 3), "float32_ms": round(median(slow) * 1e3, 3),
+                              "int8_over_float32_pair_median": round(median([f / s for f, s in zip(fast, slow, strict=True)]), 3)}
+    for bench in benches.values():
+        bench.finish_all()
     return out
 
 
@@ -487,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
     parser.add_argument("--breakdown", action="store_true",
                         help="also break each decode batch's step (and one prefill chunk) into phases and operator groups")
-    parser.add_argument("--compare-exact", action="store_true",
-                        help="also time batch-1 decodes (each --context) with every GGUF product in float32 against "
-                             "the default, alternating rounds on one runner")
+    parser.add_argument("--compare-activations", action="store_true",
+                        help="also time every decode batch and prefill chunk with the GGUF products' int8 activations "
+                             "(the default where the CPU runs them) against float32 ones, two runners in one "
+                             "process, alternating rounds")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
@@ -505,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.breakdown:
         report["breakdown"] = breakdown(runner, args)
-    if args.compare_exact:
-        report["exact_products"] = exact_products_ab(runner, args)
+    if args.compare_activations:
+        report["gguf_activations"] = activations_ab(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

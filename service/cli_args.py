@@ -81,20 +81,25 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "bfloat16 forms fail the accuracy gate, else bfloat16 only where a start-up probe measures "
                         "its matmuls faster than float32's)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
-                   help="weight form on CPU. gguf: a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored, through "
-                        "stepserve's C++ kernel, float32 activations (exact: the same weights as dequantizing); "
+                   help="weight form on CPU. gguf: a GGUF file's Q4_0/Q4_1/Q8_0 blocks, through stepserve's C++ "
+                        "kernels (the same weights as dequantizing; activations: see --gguf-activations); "
                         "int8/int4: torch's weight-only kernels, bfloat16 activations (any model; lossy); none: "
                         "dense. auto: gguf for a GGUF file where the probe measures it faster than dense float32")
+    g.add_argument("--gguf-activations", default="auto", choices=["auto", "int8", "float32"],
+                   help="activations in the gguf products. int8: each block of 32 quantized to two int8 levels "
+                        "(~15 bits of the block's range; llama.cpp keeps 8), integer dot products over the blocks "
+                        "re-laid in tiles at load, 2-4x faster products (bench/RESULTS.md), outputs within ~5e-5 "
+                        "of their scale; float32: the blocks as stored times float32 activations. auto "
+                        "(default): int8 where the CPU has AVX512-VNNI, else float32")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run the model eagerly (no torch.compile); by default the forward is compiled at start-up "
                         "where a C++ compiler is found and kept where it measures faster")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bitwise batch invariance: a request's logits are the same alone, batched, chunked, "
-                        "preempted or swapped (every attention through the C++ kernel, every GGUF product in "
-                        "float32; long prefills ~20%% slower, a lone decode 2-9%% slower where the CPU has "
-                        "AVX512_BF16). Needs quantization gguf and the C++ CPU attention. Without it greedy outputs "
-                        "agree in practice but logits may differ in the last bits once a chunk exceeds 16 tokens "
-                        "or a request decodes alone (its products then take 16-bit activations); the "
+                        "preempted or swapped (every attention through the C++ kernel; long prefills ~20%% "
+                        "slower). Needs quantization gguf and the C++ CPU attention; both gguf products are "
+                        "batch-invariant by themselves. Without it greedy outputs agree in practice but logits "
+                        "may differ in the last bits once a chunk exceeds 16 tokens (SDPA blocks by size); the "
                         "reference mode (--dtype float32 --quantization none --enforce-eager, equal to "
                         "transformers) is not bitwise invariant either (dense BLAS blocks by batch size)")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")

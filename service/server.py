@@ -38,6 +38,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         model=a["model"],
         dtype=a["dtype"],
         quantization=a["quantization"],
+        gguf_activations=a["gguf_activations"],
         enforce_eager=a["enforce_eager"],
         batch_invariant=a["batch_invariant"],
         device=a["device"],

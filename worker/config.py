@@ -18,6 +18,9 @@ class WorkerConfig:
     model: str | None = None  # GGUF file or HF directory; None: the default SmolLM2 GGUF
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU what the start-up probe measures faster
     quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.weight_form)
+    # gguf: auto | int8 | float32 activations in the low-bit products (auto: int8 where the CPU
+    # has AVX512-VNNI; see worker.linear.GGUFLinear)
+    gguf_activations: str = "auto"
     enforce_eager: bool = False  # True: no torch.compile
     # True: every attention goes through the C++ kernel (no SDPA for long chunks), so with the
     # GGUF kernel a request's logits are bitwise the same alone, batched, chunked or recomputed
@@ -44,6 +47,8 @@ class WorkerConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
+        if self.gguf_activations not in ("auto", "int8", "float32"):
+            raise ValueError(f"gguf_activations must be auto, int8 or float32, got {self.gguf_activations!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):

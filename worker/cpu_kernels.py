@@ -1,8 +1,9 @@
 """stepserve's C++ CPU kernels (`csrc/`): built on the machine at first use, loaded once.
 
     csrc/paged_attention.cpp   attention reading the paged KV cache in place (worker.cpu_attention)
-    csrc/lowbit_linear.cpp     GGUF Q4 / Q8 blocks times float32 activations (worker.linear.GGUFLinear;
-                               one token's Q4 product with bfloat16 dot products where the CPU has them)
+    csrc/lowbit_linear.cpp     GGUF Q4 / Q8 blocks as stored times float32 activations (worker.linear.GGUFLinear)
+    csrc/int8_linear.cpp       GGUF Q4 / Q8 blocks re-laid in tiles times activations quantized to two
+                               int8 levels, with integer dot products (AVX512-VNNI CPUs only)
 
 torch has neither for the CPU. They are compiled once per machine with the compiler torch's
 extensions use, into torch's extension cache (`TORCH_EXTENSIONS_DIR`), with the vector
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "lowbit_linear.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "lowbit_linear.cpp", "int8_linear.cpp")]
 # ATen's vector types (at::vec) per capability: the CPU flags each needs, and the compiler flags
 _CAPABILITIES = (
     ("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
@@ -41,8 +42,8 @@ def isa_flags(cpuinfo: str) -> list[str]:
             break
     for name, needs, flags in _CAPABILITIES:
         if listed.issuperset(needs):
-            # bfloat16 dot products: the GGUF kernel's one-token path (csrc/lowbit_linear.cpp)
-            extra = ["-mavx512bf16"] if name == "AVX512" and "avx512_bf16" in listed else []
+            # integer dot products: csrc/int8_linear.cpp (built empty without them)
+            extra = ["-mavx512vnni"] if name == "AVX512" and "avx512_vnni" in listed else []
             return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", *flags, *extra]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
@@ -82,5 +83,9 @@ def _register_fake() -> None:
     @torch.library.register_fake("stepserve_cpu::lowbit_linear")
     def _(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], d.shape[0])
+
+    @torch.library.register_fake("stepserve_cpu::int8_linear")
+    def _(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
 
 

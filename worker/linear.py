@@ -3,8 +3,11 @@
     Dense      F.linear over an fp32 / bf16 / fp16 weight
     Int8       torch's weight-only int8 CPU kernel (one scale per output row)
     Int4       torch's weight-only int4 CPU kernel (groups of 32 along K, scale and zero)
-    GGUF       stepserve's own kernel (csrc/lowbit_linear.cpp) over GGUF's Q4 / Q8 blocks as
-               stored, float32 activations and outputs
+    GGUF       stepserve's own kernels over GGUF's Q4 / Q8 blocks, float32 in and out: where
+               the CPU has AVX512-VNNI, the blocks re-laid in tiles of 16 rows and the
+               activations quantized to two int8 levels per block (csrc/int8_linear.cpp,
+               integer dot products); elsewhere, or with float32 activations asked for, the
+               blocks as stored times float32 activations (csrc/lowbit_linear.cpp)
 
 Both low-bit kernels take bfloat16 activations (with float32 ones they fall back to a slow
 path, measured 10-100x slower), so a quantized model runs in bfloat16. Int4 may also keep a
@@ -15,6 +18,8 @@ rate wins (the start-up probe measures where, see `worker.kernel_probe`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +27,7 @@ from torch import nn
 from worker.quant import GGUF_GROUP, QuantizedWeight, per_row_int8
 
 _INT4_N_MULTIPLE = 16  # the int4 packing kernel's rule for N
+_TILE = 16  # output rows per tile of csrc/int8_linear.cpp
 
 
 def _buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
@@ -108,24 +114,36 @@ class Int4Linear(nn.Module):
 
 
 class GGUFLinear(nn.Module):
-    """GGUF's Q4 / Q8 blocks (32 values each) as stored, through stepserve's C++ kernel:
-    float32 activations and outputs, weights widened in registers; a one-token Q4 product
-    takes 16-bit activations unless exact products are asked for (see csrc/lowbit_linear.cpp)."""
+    """GGUF's Q4 / Q8 blocks (32 values each) through stepserve's C++ kernels, float32
+    activations in and outputs out, in one of two forms:
+
+    stored  codes [N, K * bits / 8] as the file packs them, float32 scales / offsets [N, K / 32]:
+            csrc/lowbit_linear.cpp, float32 products;
+    tiled   codes [tiles, K / 32, 256 | 512], float16 scales / offsets [tiles, K / 32, 16]
+            (`tile_gguf`): csrc/int8_linear.cpp, activations as two int8 levels, integer dots."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, tiled_rows: int | None = None) -> None:
         super().__init__()
-        self.bits = bits
+        self.bits, self.tiled = bits, tiled_rows is not None
+        self.n = int(scales.shape[0]) if tiled_rows is None else tiled_rows
         _buffer(self, "codes", codes)
         _buffer(self, "scales", scales)
         _buffer(self, "offsets", offsets)  # empty for Q8
         _buffer(self, "bias", bias)
 
     @classmethod
-    def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear:
+    def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                       int8_activations: bool = True) -> GGUFLinear:
+        """The tiled form where `int8_activations`, the CPU runs it and the scales are exact
+        in float16 (GGUF stores them so); else the stored form."""
         if weight.group_size != GGUF_GROUP:
             raise ValueError(f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}")
         b = None if bias is None else bias.float()
+        bits = 8 if weight.kind == "int8" else 4
+        tiled = tile_gguf(weight) if int8_activations and int8_supported() else None
+        if tiled is not None:
+            return cls(*tiled, bits, b, tiled_rows=weight.shape[0])
         if weight.kind == "int8":
             return cls(weight.q.to(torch.int8).view(torch.uint8).contiguous(), weight.scale.float().contiguous(),
                        torch.empty(0), 8, b)
@@ -134,11 +152,46 @@ class GGUFLinear(nn.Module):
 
     @property
     def out_features(self) -> int:
-        return int(self.scales.shape[0])
+        return self.n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.stepserve_cpu.lowbit_linear(x, self.codes, self.scales, self.offsets, self.bits)
+        if self.tiled:
+            y = torch.ops.stepserve_cpu.int8_linear(x, self.codes, self.scales, self.offsets, self.bits, self.n)
+        else:
+            y = torch.ops.stepserve_cpu.lowbit_linear(x, self.codes, self.scales, self.offsets, self.bits)
         return y if self.bias is None else y + self.bias
+
+
+@functools.cache
+def int8_supported() -> bool:
+    """Whether csrc/int8_linear.cpp runs here (the kernels built, the CPU lists AVX512-VNNI)."""
+    from worker.cpu_kernels import available
+
+    return available()[0] and bool(torch.ops.stepserve_cpu.int8_linear_supported())
+
+
+def tile_gguf(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes, scales, offsets) in csrc/int8_linear.cpp's tiled layout, rows padded to a
+    multiple of 16 (zero weights); None where a scale or offset is not exact in float16."""
+    n, k = weight.shape
+    groups, tiles = k // GGUF_GROUP, -(-n // _TILE)
+    pad = tiles * _TILE - n
+    parts = [weight.scale] if weight.offset is None else [weight.scale, weight.offset]
+    halves = [p.to(torch.float16) for p in parts]
+    if not all(torch.equal(h.float(), p.float()) for h, p in zip(halves, parts, strict=True)):
+        return None
+
+    def by_tile(v: torch.Tensor) -> torch.Tensor:  # [N, G] -> [tiles, G, 16]
+        return F.pad(v, (0, 0, 0, pad)).view(tiles, _TILE, groups).transpose(1, 2).contiguous()
+
+    if weight.kind == "int8":  # vector p of a block: byte 4r + i = code 4p + i of row r, as q + 128
+        codes = (F.pad(weight.q.to(torch.int16), (0, 0, 0, pad)) + 128).to(torch.uint8)
+        codes = codes.view(tiles, _TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+        return codes.contiguous(), by_tile(halves[0]), torch.empty(0, dtype=torch.float16)
+    # vector j: quad j in the low nibbles, quad j + 4 in the high ones
+    q = F.pad(weight.q.to(torch.uint8), (0, 0, 0, pad)).view(tiles, _TILE, groups, 2, 4, 4)
+    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    return codes.contiguous(), by_tile(halves[0]), by_tile(halves[1])
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -153,15 +206,15 @@ Linear = DenseLinear | Int8Linear | Int4Linear | GGUFLinear
 
 def make_linear(
     weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None,
-    dense_above: int | None = None,
+    dense_above: int | None = None, int8_activations: bool = True,
 ) -> Linear:
     """The layer for a weight as loaded: dense for floats; low-bit codes under float32
-    activations through the GGUF kernel, under bfloat16 ones through torch's kernel of
-    their kind."""
+    activations through the GGUF kernels (`int8_activations`: the tiled form where the CPU
+    runs it), under bfloat16 ones through torch's kernel of their kind."""
     if not isinstance(weight, QuantizedWeight):
         return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
     if dtype == torch.float32:
-        return GGUFLinear.from_quantized(weight, bias)
+        return GGUFLinear.from_quantized(weight, bias, int8_activations)
     if weight.kind == "int8":
         return Int8Linear.from_quantized(weight, dtype, bias)
     return Int4Linear(weight, dtype, bias, dense_above)
@@ -189,12 +242,17 @@ class Embedding(nn.Module):
         groups = self.scales.shape[1]
         return (rows.view(ids.shape[0], groups, -1) * self.scales[ids][..., None]).view(ids.shape[0], -1)
 
-    def tied_head(self, dtype: torch.dtype) -> Linear:
-        """The LM head that shares this table (tied word embeddings), without a copy."""
+    def tied_head(self, dtype: torch.dtype, int8_activations: bool = True) -> Linear:
+        """The LM head that shares this table (tied word embeddings), without a copy except
+        in the GGUF kernel's tiled form (`GGUFLinear`), whose layout the lookup cannot read."""
         if self.weight is not None:
             return DenseLinear(self.weight)
         assert self.quantized is not None
         if dtype == torch.float32:
+            if int8_activations:
+                head = GGUFLinear.from_quantized(self.quantized)
+                if head.tiled:
+                    return head
             return GGUFLinear(self.qweight.view(torch.uint8), self.scales, torch.empty(0), 8)
         if self.quantized.group_size == self.quantized.shape[1]:
             return Int8Linear(self.qweight, self.scales[:, 0])

@@ -24,6 +24,7 @@ from worker.copy_probe import measure_copy_bandwidth
 from worker.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.kernel_probe import KernelChoice, choose_kernels
 from worker.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
+from worker.linear import int8_supported
 from worker.loader import (
     expected_shapes,
     gguf_native_kinds,
@@ -104,19 +105,12 @@ class ModelRunner(PlanRunner):
                 "batch-invariant mode needs the GGUF kernel (a GGUF model with Q4_0/Q4_1/Q8_0 weights, float32) and "
                 f"the C++ CPU attention; this worker chose quantization {self.kernels.quantization} and "
                 f"{backend.name} attention")
+        self.gguf_activations = self._gguf_activations()
         self.model = self._build_model(weights)
         self.kv_cache = self._make_kv_cache()
         self.attention = StepAttention(backend, self.kv_cache.layers())
         self.batch = InputBatch(self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks)
         self.executor = StepExecutor(self.batch, self)
-        # Every GGUF product in float32 (see csrc/lowbit_linear.cpp: by default a one-token
-        # product uses bfloat16 dot products where the CPU has them); set before each step,
-        # as the switch is the process's and a test may hold two runners.
-        self.exact_products = config.batch_invariant
-        self._lowbit = self.kernels.quantization == "gguf"
-        if self._lowbit and torch.ops.stepserve_cpu.set_lowbit_exact(self.exact_products) and not self.exact_products:
-            log.info("GGUF kernel: one-token Q4 products with bfloat16 dot products (activations to 16 bits); "
-                     "--batch-invariant keeps every product in float32")
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.forward, self.compiled, self.compile_note = self._forward()
         log.info("forward: %s", self.compile_note)
@@ -167,8 +161,25 @@ class ModelRunner(PlanRunner):
         finally:
             self.batch.remove(state.req_id)
 
+    def _gguf_activations(self) -> str:
+        """The activations of the GGUF products: int8 (two levels, csrc/int8_linear.cpp) or
+        float32 (csrc/lowbit_linear.cpp); "none" without the GGUF kernel."""
+        wanted = self.config.gguf_activations
+        if self.kernels.quantization != "gguf":
+            return "none"
+        if wanted == "float32":
+            return wanted
+        if int8_supported():
+            log.info("GGUF products: activations as two int8 levels per block, integer dot products")
+            return "int8"
+        if wanted == "int8":
+            raise ValueError("gguf_activations=int8 needs the CPU kernels built with AVX512-VNNI "
+                             "(this CPU or build lacks it); use auto or float32")
+        return "float32"
+
     def _build_model(self, weights: dict[str, Weight]) -> LlamaForCausalLM:
-        form = WeightForm(self.dtype, self.kernels.quantization, self.kernels.dense_above)  # type: ignore[arg-type]
+        form = WeightForm(self.dtype, self.kernels.quantization, self.kernels.dense_above,  # type: ignore[arg-type]
+                          self.gguf_activations != "float32")
         for name in list(weights):
             w = weights[name]
             if isinstance(w, torch.Tensor):
@@ -230,7 +241,7 @@ class ModelRunner(PlanRunner):
             weight_bytes=self.model.weight_bytes,
             compiled=self.compiled,
             batch_invariant=self.config.batch_invariant,
-            extra={"forward": self.compile_note, **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()}},
+            extra={"forward": self.compile_note, "gguf_activations": self.gguf_activations, **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()}},
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 
@@ -249,8 +260,6 @@ class ModelRunner(PlanRunner):
         """Forward over the step, then sample the requests whose chunk reached their end."""
         to_device = self.batch.to_device
         attention = self.attention.bind(self.batch.attention_metadata(step))
-        if self._lowbit:
-            torch.ops.stepserve_cpu.set_lowbit_exact(self.exact_products)
         hidden = self.forward(to_device(step.input_ids), to_device(step.positions), attention)
         states = step.sampling_states
         if not states:

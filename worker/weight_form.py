@@ -3,7 +3,8 @@
     quantization   dtype     linear layers                        embedding      LM head
     none           any       dense in dtype                       dense          dense (tied: shared)
     gguf           float32   the file's Q4_0/Q4_1/Q8_0 blocks     Q8_0 blocks    the file's form
-                             as stored (stepserve's kernel)       or dense       (tied: shared)
+                             (stepserve's kernels: tiled, int8    or dense       (tied: shared, or
+                             activations where AVX512-VNNI)                      a tiled copy)
     int8           bfloat16  int8 per row (torch's kernel)        int8           int8 (tied: shared)
     int4           bfloat16  int4 group 32 (torch's kernel)       int8           int4
 
@@ -40,6 +41,7 @@ class WeightForm:
     dtype: torch.dtype
     quantization: Quantization = "none"
     dense_above: int | None = None  # int4 layers keep a dense copy for steps above this many tokens
+    int8_activations: bool = True  # gguf: the tiled int8-activation kernel where the CPU runs it
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -57,7 +59,7 @@ class WeightForm:
         return quantize(weight, self.quantization)
 
     def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
-        return make_linear(self.prepare(weight), self.dtype, bias, self.dense_above)
+        return make_linear(self.prepare(weight), self.dtype, bias, self.dense_above, self.int8_activations)
 
     def fused(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
         """One layer for weights stacked along their outputs (q/k/v, gate/up)."""
@@ -67,7 +69,8 @@ class WeightForm:
             return make_linear(torch.cat([p.to(self.dtype) for p in prepared]), self.dtype, bias)  # type: ignore[union-attr]
         if len(kinds) > 1:  # a file that mixes types within one fused layer: int8 (blocks of 32) loses least
             prepared = [quantize_int8(as_dense(p), GGUF_GROUP) for p in prepared]
-        return make_linear(concat_rows(prepared), self.dtype, bias, self.dense_above)  # type: ignore[arg-type]
+        return make_linear(concat_rows(prepared), self.dtype, bias, self.dense_above,  # type: ignore[arg-type]
+                           self.int8_activations)
 
     def embedding(self, table: Weight) -> Embedding:
         if self.quantization == "none":
@@ -85,4 +88,4 @@ class WeightForm:
         prepared = self.prepare(embed_weight)
         if isinstance(prepared, QuantizedWeight) and prepared.kind == "int4":
             return make_linear(prepared, self.dtype, None, self.dense_above)
-        return embedding.tied_head(self.dtype)
+        return embedding.tied_head(self.dtype, self.int8_activations)

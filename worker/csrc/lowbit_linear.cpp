@@ -10,26 +10,16 @@
 // a step reads 4 or 8 bits per weight (the bytes that bound a decode step) and computes in
 // float32 throughout (no bfloat16 rounding of inputs or outputs). Rows of W are split
 // across threads; every output is one row's dot product summed in a fixed order, so a
-// request's result does not depend on what else is in the batch.
-//
-// One exception, on CPUs with AVX512_BF16 and unless stepserve_cpu::set_lowbit_exact(true)
-// (the worker's --batch-invariant) asked for float32 everywhere: a single token's Q4
-// product (a one-request decode step) multiplies the nibbles, as bfloat16, by the token's
-// activations split into two bfloat16 parts (16 significant bits of each activation
-// instead of 24; products and sums in float32) with vdpbf16ps: ~4.5 vector operations per
-// block and row against the float32 path's ~7, where a one-token product is bound by
-// operations, not bytes (bench/RESULTS.md). Its outputs differ from the float32 path's by
-// ~5e-6 of their scale.
+// request's result does not depend on what else is in the batch. Where the CPU has
+// AVX512-VNNI, worker.linear runs GGUF weights through csrc/int8_linear.cpp instead unless
+// float32 activations are asked for (--gguf-activations float32).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -193,141 +183,11 @@ void rows_scalar(const float* x, int64_t mrows, int64_t K, const uint8_t* codes,
   }
 }
 
-std::atomic<bool> g_exact{false};  // set_lowbit_exact: float32 activations in every product
-
-#if defined(SS_W) && SS_W == 16 && defined(__AVX512BF16__)
-#define SS_BF16DOT 1
-// One token against Q4 rows with vdpbf16ps. A row's blocks are taken four at a time: their
-// 64 code bytes as 32 16-bit lanes, lane j holding bytes 2j, 2j+1 of block j / 8, whose
-// four nibbles make four planes of 32 lanes. Lane j of plane s holds weight
-// 2(j % 8) + 16(s & 1) + (s >> 1) of block j / 8, as the bfloat16 1 + q/16 (q's bits put
-// into the mantissa by a shift and one ternary-logic operation: no conversion). The
-// activations are laid out in the same order once per call (`Bf16Token`), each split into a
-// high and a low bfloat16 part. vdpbf16ps sums lane pairs into float32 lane i (of block i / 4), so
-// S_b = sum (1 + q/16) x over block b, and the row's output is
-//   sum_b 16 d_b (S_b - sx_b) + m_b sx_b,   sx_b = sum of block b's activations (as split).
-struct Bf16Token {
-  std::vector<uint16_t> parts;  // [2 parts][groups][4 planes][32 lanes]
-  std::vector<float> sums;      // [blocks]
-  int64_t groups = 0;
-};
-
-void prepare_token(const float* x, int64_t K, Bf16Token& t) {
-  const int64_t blocks = K / kBlock;
-  t.groups = (blocks + 3) / 4;
-  t.parts.resize(2 * t.groups * 128);
-  t.sums.resize(blocks);
-  uint16_t* hi = t.parts.data();
-  uint16_t* lo = hi + t.groups * 128;
-  if (blocks % 4) {  // the last group's missing blocks: zero activations
-    std::memset(hi + (t.groups - 1) * 128, 0, 256);
-    std::memset(lo + (t.groups - 1) * 128, 0, 256);
-  }
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // 16 values -> their 8 even ones, then their 8 odd ones
-  const __m256i deal = _mm256_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t g = b / 4, lane0 = (b % 4) * 8;
-    __m512 sum = _mm512_setzero_ps();
-    for (int half = 0; half < 2; ++half) {  // weights 0..15 (planes 0, 2), 16..31 (planes 1, 3)
-      const __m512 v = _mm512_loadu_ps(x + b * kBlock + 16 * half);
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512 hi_f = _mm512_castsi512_ps(_mm512_and_si512(u, high_half));  // truncated: v - hi is exact
-      const __m256i lo_h = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hi_f));
-      const __m256i hi_h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(hi_f, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo_h), 16))));
-      const __m256i hi_d = _mm256_permutexvar_epi16(deal, hi_h), lo_d = _mm256_permutexvar_epi16(deal, lo_h);
-      const int even = half, odd = half + 2;  // plane s holds weight 2k + 16(s & 1) + (s >> 1)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + (g * 4 + even) * 32 + lane0), _mm256_castsi256_si128(hi_d));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + (g * 4 + odd) * 32 + lane0), _mm256_extracti128_si256(hi_d, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + (g * 4 + even) * 32 + lane0), _mm256_castsi256_si128(lo_d));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + (g * 4 + odd) * 32 + lane0), _mm256_extracti128_si256(lo_d, 1));
-    }
-    t.sums[b] = _mm512_reduce_add_ps(sum);
-  }
-}
-
-// Output rows [r0, r0 + rows), four rows of W per pass (their chains overlap).
-void rows_bf16dot(const Bf16Token& t, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
-                  int64_t N, int64_t r0, int64_t rows) {
-  constexpr int64_t R = 4;
-  const int64_t G = K / kBlock, row_bytes = K / 2, GG = t.groups;
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i mask = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
-  const uint16_t* hi = t.parts.data();
-  const uint16_t* lo = hi + GG * 128;
-  constexpr int64_t kAhead = 4;  // passes of rows prefetched ahead, as in rows_vec
-  for (int64_t n = r0; n < r0 + rows; n += R) {
-    const int64_t nr = std::min(R, r0 + rows - n);
-    if (n + kAhead * R < N) prefetch_rows(codes, d, m, row_bytes, G, n + kAhead * R, R);
-    __m512 acc[R];
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < GG; ++g) {
-      const int64_t nb = std::min<int64_t>(4, G - 4 * g);
-      const __mmask32 code_mask = nb == 4 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (8 * nb)) - 1);
-      const __mmask16 scale_mask = static_cast<__mmask16>((1u << nb) - 1);
-      // Two accumulators per row (the high and the low part), each a chain of 4 dot
-      // products per group: with one chain of 8 the latency bounded the loop.
-      __m512i v[R];
-      __m512 th[R], tl[R];
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t row = n + std::min(r, nr - 1);  // an odd last row is computed twice, stored once
-        v[r] = _mm512_maskz_loadu_epi16(code_mask, codes + row * row_bytes + g * 64);
-        th[r] = _mm512_setzero_ps();
-        tl[r] = _mm512_setzero_ps();
-      }
-      for (int s = 0; s < 4; ++s) {
-        const __m512bh xh = (__m512bh)_mm512_loadu_si512(hi + (g * 4 + s) * 32);
-        const __m512bh xl = (__m512bh)_mm512_loadu_si512(lo + (g * 4 + s) * 32);
-        for (int64_t r = 0; r < R; ++r) {
-          // (shifted & 0x78) | 0x3F80: nibble s as the bfloat16 1 + q/16
-          const __m512i shifted = s == 0 ? _mm512_slli_epi16(v[r], 3) : _mm512_srli_epi16(v[r], 4 * s - 3);
-          const __m512bh plane = (__m512bh)_mm512_ternarylogic_epi32(shifted, mask, one, 0xEA);
-          th[r] = _mm512_dpbf16_ps(th[r], plane, xh);
-          tl[r] = _mm512_dpbf16_ps(tl[r], plane, xl);
-        }
-      }
-      __m512 tsum[R];
-      for (int64_t r = 0; r < R; ++r) tsum[r] = _mm512_add_ps(th[r], tl[r]);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t row = n + std::min(r, nr - 1);
-        const __m512 d4 = _mm512_maskz_loadu_ps(scale_mask, d + row * G + 4 * g);
-        acc[r] = _mm512_fmadd_ps(tsum[r], _mm512_permutexvar_ps(spread, d4), acc[r]);
-      }
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t row = n + r;
-      __m512 corr = _mm512_setzero_ps();  // sum_b (m_b - 16 d_b) sx_b
-      for (int64_t b = 0; b < G; b += 16) {
-        const __mmask16 k = G - b >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (G - b)) - 1);
-        const __m512 db = _mm512_maskz_loadu_ps(k, d + row * G + b);
-        const __m512 mb = m ? _mm512_maskz_loadu_ps(k, m + row * G + b) : _mm512_setzero_ps();
-        corr = _mm512_fmadd_ps(_mm512_fnmadd_ps(db, _mm512_set1_ps(16.f), mb), _mm512_maskz_loadu_ps(k, t.sums.data() + b), corr);
-      }
-      y[row] = 16.f * _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(corr);
-    }
-  }
-}
-#endif
 
 template <int Bits>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
          int64_t N) {
   constexpr int64_t kRowsPerTask = 16;
-#ifdef SS_BF16DOT
-  if (Bits == 4 && M == 1 && !g_exact.load(std::memory_order_relaxed)) {
-    thread_local Bf16Token buffers;  // reused: no allocation per call
-    Bf16Token& token = buffers;      // (a lambda would name each thread's own thread_local)
-    prepare_token(x, K, token);
-    at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t r0 = t * kRowsPerTask;
-        rows_bf16dot(token, K, codes, d, m, y, N, r0, std::min(kRowsPerTask, N - r0));
-      }
-    });
-    return;
-  }
-#endif
   at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r0 = t * kRowsPerTask, rows = std::min(kRowsPerTask, N - r0);
@@ -378,20 +238,9 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   return y;
 }
 
-// true: every product in float32 (the one-token bfloat16 path off), so a request's
-// outputs do not depend on its batch; returns whether that path exists on this CPU.
-bool set_lowbit_exact(bool exact) {
-  g_exact.store(exact);
-#ifdef SS_BF16DOT
-  return true;
-#else
-  return false;
-#endif
-}
 
 TORCH_LIBRARY_FRAGMENT(stepserve_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
-  m.def("set_lowbit_exact(bool exact) -> bool", &set_lowbit_exact);
 }
 
 TORCH_LIBRARY_IMPL(stepserve_cpu, CPU, m) { m.impl("lowbit_linear", &lowbit_linear); }
