@@ -131,3 +131,15 @@ def test_rejects_inputs_it_cannot_run() -> None:
         ops.int8_linear(torch.randn(2, 64), layer.codes, layer.scales, layer.offsets, 8, 17)
     with pytest.raises(RuntimeError, match="empty for Q8"):
         ops.int8_linear(torch.randn(2, 64), layer.codes, layer.scales, layer.scales, 8, 16)
+
+
+def test_the_flag_reaches_the_worker_and_bad_values_are_refused() -> None:
+    from service.cli_args import build_parser
+    from service.server import worker_config
+    from worker.config import WorkerConfig
+
+    assert worker_config(build_parser().parse_args([])).gguf_activations == "auto"
+    args = build_parser().parse_args(["--gguf-activations", "float32"])
+    assert worker_config(args).gguf_activations == "float32"
+    with pytest.raises(ValueError, match="gguf_activations must be"):
+        WorkerConfig(gguf_activations="fp8")
