@@ -100,6 +100,14 @@ class Int4Linear(nn.Module):
         _buffer(self, "bias", None if bias is None else bias.to(dtype))
         _buffer(self, "dense", None if dense_above is None else weight.dequantize(dtype))
 
+    @classmethod
+    def tiled_from(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear | None:
+        """The tiled form where the CPU runs it and the scales are exact in float16; else None."""
+        tiled = tile_gguf(weight) if int8_supported() else None
+        if tiled is None:
+            return None
+        return cls(*tiled, 8 if weight.kind == "int8" else 4, bias, tiled_rows=weight.shape[0])
+
     @property
     def out_features(self) -> int:
         return self.n
@@ -140,15 +148,21 @@ class GGUFLinear(nn.Module):
         if weight.group_size != GGUF_GROUP:
             raise ValueError(f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}")
         b = None if bias is None else bias.float()
-        bits = 8 if weight.kind == "int8" else 4
-        tiled = tile_gguf(weight) if int8_activations and int8_supported() else None
-        if tiled is not None:
-            return cls(*tiled, bits, b, tiled_rows=weight.shape[0])
+        if int8_activations and (layer := cls.tiled_from(weight, b)) is not None:
+            return layer
         if weight.kind == "int8":
             return cls(weight.q.to(torch.int8).view(torch.uint8).contiguous(), weight.scale.float().contiguous(),
                        torch.empty(0), 8, b)
         assert weight.offset is not None
         return cls(pack_nibbles(weight.q), weight.scale.float().contiguous(), weight.offset.float().contiguous(), 4, b)
+
+    @classmethod
+    def tiled_from(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear | None:
+        """The tiled form where the CPU runs it and the scales are exact in float16; else None."""
+        tiled = tile_gguf(weight) if int8_supported() else None
+        if tiled is None:
+            return None
+        return cls(*tiled, 8 if weight.kind == "int8" else 4, bias, tiled_rows=weight.shape[0])
 
     @property
     def out_features(self) -> int:
@@ -249,10 +263,8 @@ class Embedding(nn.Module):
             return DenseLinear(self.weight)
         assert self.quantized is not None
         if dtype == torch.float32:
-            if int8_activations:
-                head = GGUFLinear.from_quantized(self.quantized)
-                if head.tiled:
-                    return head
+            if int8_activations and (head := GGUFLinear.tiled_from(self.quantized)) is not None:
+                return head
             return GGUFLinear(self.qweight.view(torch.uint8), self.scales, torch.empty(0), 8)
         if self.quantized.group_size == self.quantized.shape[1]:
             return Int8Linear(self.qweight, self.scales[:, 0])
