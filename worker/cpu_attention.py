@@ -20,6 +20,7 @@ from worker.cpu_kernels import available
 # every chunk through the kernel.
 SMALL_QUERY = 16
 ALL_QUERIES = 1 << 62
+_registered: CpuPagedAttention | None = None  # whose caches the op's registry holds
 
 
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -39,9 +40,19 @@ class CpuPagedAttention:
         self.small_query = ALL_QUERIES if batch_invariant else SMALL_QUERY
 
     def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
-        torch.ops.stepserve_cpu.set_kv_cache([k for k, _ in kv_layers], [v for _, v in kv_layers])
+        self._caches = ([k for k, _ in kv_layers], [v for _, v in kv_layers])
+        self._register()
+
+    def _register(self) -> None:
+        global _registered
+        torch.ops.stepserve_cpu.set_kv_cache(*self._caches)
+        _registered = self
 
     def bind(self, meta: AttentionMetadata) -> None:
+        if _registered is not self:
+            # the op's registry holds one set of caches per process: another runner's (a test
+            # session, a bench comparing two) would be read and written in their place
+            self._register()
         torch.ops.stepserve_cpu.bind_step(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                           meta.block_tables, self.small_query)
 

@@ -66,3 +66,81 @@ def test_isa_flags_follow_cpuinfo_and_never_ask_for_native() -> None:
     assert isa_flags(avx512.replace(" avx512dq", ""))[:2] == ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     assert isa_flags("no flags here") == ["-DCPU_CAPABILITY=DEFAULT"]
     assert not any("native" in f or "amx" in f for f in isa_flags(avx512))
+
+
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               lens: list[int]) -> torch.Tensor:
+    """The op over one decode token per request (request r at context lens[r]); this step's own
+    K/V are the cache's values at the last position, so nothing new is written."""
+    ops = torch.ops.stepserve_cpu
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    seq = torch.tensor(lens)
+    slots = torch.stack([tables[r, (n - 1) // bs] * bs + (n - 1) % bs for r, n in enumerate(lens)])
+    flat_k, flat_v = k_cache.view(-1, kvh, k_cache.shape[3]), v_cache.view(-1, kvh, v_cache.shape[3])
+    ops.set_kv_cache([k_cache], [v_cache])
+    ops.bind_step(slots, torch.arange(len(lens) + 1), seq, tables, SMALL_QUERY)
+    return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [
+    (9, 3, 64, 16),   # SmolLM2: 3 query heads a kv head; rows in vector-wide groups
+    (16, 2, 64, 16),  # 8 heads a kv head: more than one register pass (at most 4 heads with AVX-512)
+    (4, 4, 128, 8),   # no grouping, head size 128, blocks narrower than a vector
+    (6, 2, 64, 3),    # a block size that does not divide the span: the plain-loop path
+])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_kernel_matches_float64_over_spans(heads: int, kv_heads: int, dim: int, bs: int,
+                                                  cache_dtype: torch.dtype) -> None:
+    """Decodes at contexts around the 256-key spans the kernel cuts a context into (one key,
+    a partial block, exactly one span, one key over, several spans) against float64 attention
+    over the same cached values, for each cache element type."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 7, 16, 255, 256, 257, 600, 1029]
+    width = -(-max(lens) // bs)
+    blocks = len(lens) * width
+    tables = torch.randperm(blocks, generator=gen).view(len(lens), width)
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    out = _decode_op(q, k_cache, v_cache, tables, lens)
+    group = heads // kv_heads
+    for r, n in enumerate(lens):
+        keys = k_cache[tables[r]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        values = v_cache[tables[r]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[r].double(), keys) / dim**0.5).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", weights, values)
+        torch.testing.assert_close(out[r].double(), want, atol=2e-6, rtol=2e-6)
+
+
+def test_decode_kernel_output_depends_on_its_request_alone() -> None:
+    """A request's output is bitwise the same alone and batched with others of other lengths
+    (the spans a context is cut into depend on its length alone)."""
+    gen = torch.Generator().manual_seed(4)
+    lens, bs, width = [700, 5, 300, 1200, 256], 16, 80
+    tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    k_cache = torch.randn(len(lens) * width, bs, 3, 64, generator=gen).to(torch.float16)
+    v_cache = torch.randn(len(lens) * width, bs, 3, 64, generator=gen).to(torch.float16)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    batched = _decode_op(q, k_cache, v_cache, tables, lens)
+    for r in range(len(lens)):
+        alone = _decode_op(q[r : r + 1], k_cache, v_cache, tables[r : r + 1], lens[r : r + 1])
+        assert torch.equal(alone[0], batched[r]), r
+
+
+def test_two_backends_in_one_process_each_use_their_own_cache() -> None:
+    """The op keeps one set of caches per process; a backend bound after another's step must
+    get its own back (two runners in one process: a test session, a bench comparing two)."""
+    from worker.cpu_attention import CpuPagedAttention
+
+    batch = InputBatch(128, BS, torch.device("cpu"), num_blocks=BLOCKS)
+    scheduled, tokens = _step(batch, {"a": (5, 1), "b": (0, 3)})
+    meta = batch.attention_metadata(batch.prepare(scheduled))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(tokens, h, 64, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    caches = [torch.zeros(2, BLOCKS, BS, KV_HEADS, 64), torch.zeros(2, BLOCKS, BS, KV_HEADS, 64, dtype=torch.float16)]
+    attentions = [StepAttention(CpuPagedAttention(), [(c[0], c[1])]) for c in caches]  # the second registers last
+    first = attentions[0].bind(meta)(q, k, v, 0)
+    assert caches[0].abs().sum() > 0 and caches[1].abs().sum() == 0  # written into its own cache only
+    second = attentions[1].bind(meta)(q, k, v, 0)
+    assert caches[1].abs().sum() > 0
+    torch.testing.assert_close(second, first, atol=2e-3, rtol=2e-3)

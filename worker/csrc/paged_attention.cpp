@@ -4,7 +4,8 @@
 //   1. write this step's K/V [T, KVH, D] into the layer's cache at slot_mapping;
 //   2. every query token of a request with at most `small_query` tokens (decodes, short
 //      chunks) attends to the first (position + 1) keys of its request, read block by block
-//      through the block table: one work item per (token, kv head), in parallel;
+//      through the block table: one work item per (token, span of kSpan keys) for all its
+//      heads, in parallel, the spans' partial results merged after;
 //   3. each longer chunk runs torch's SDPA (its flash kernel) over the fresh K/V when
 //      nothing was cached before it, else over its blocks gathered once for all heads.
 //
@@ -12,7 +13,7 @@
 // bind_step), not in the op's arguments: a compiled forward then sees an op without
 // mutated inputs (nothing for the compiler to functionalize or guard) and changing
 // metadata never recompiles it. Caches: [num_blocks, block_size, kv_heads, head_dim],
-// float32 or bfloat16, contiguous.
+// float32, bfloat16 or float16, contiguous.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -48,86 +49,226 @@ template <int64_t D>
 inline void load_row(const float* src, Vec* out) {
   for (int64_t j = 0; j < D / kW; ++j) out[j] = Vec::loadu(src + j * kW);
 }
-template <int64_t D>
-inline void load_row(const at::BFloat16* src, Vec* out) {
-  using BVec = at::vec::Vectorized<at::BFloat16>;  // 2 * kW values
+// bfloat16 and float16 rows: 2 * kW values a load, widened to float32.
+template <int64_t D, typename H>
+inline void load_half_row(const H* src, Vec* out) {
+  using HVec = at::vec::Vectorized<H>;  // 2 * kW values
   for (int64_t j = 0; j < D / kW; j += 2) {
-    auto [lo, hi] = at::vec::convert_bfloat16_float(BVec::loadu(src + j * kW));
+    auto [lo, hi] = at::vec::convert_to_float<H>(HVec::loadu(src + j * kW));
     out[j] = lo;
     out[j + 1] = hi;
   }
+}
+template <int64_t D>
+inline void load_row(const at::BFloat16* src, Vec* out) {
+  load_half_row<D>(src, out);
+}
+template <int64_t D>
+inline void load_row(const at::Half* src, Vec* out) {
+  load_half_row<D>(src, out);
 }
 
 inline float reduce(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
+// Positions one work item covers (a multiple of the block size): a query token's context is
+// cut into spans of this many keys, each attended on its own and the partial results merged
+// (flash-decoding). Spans depend on the context length alone, never on the batch, so a
+// token's output is the same in any batch; they also let one long decode use every thread.
+constexpr int64_t kSpan = 256;
+
 // Per-thread buffers, grown once.
 struct Scratch {
-  std::vector<float> scores;
+  std::vector<float> scores;  // [heads, span]
+  std::vector<float> query;   // [heads, D], scaled, float32
 };
 
-// Attend the `group` query heads sharing kv head `h` for one token at context length L.
-// Each head streams its K and V rows (L1/L2-resident after the first head) with its
-// accumulators in registers: D is a template parameter so the loops over vectors unroll.
-template <typename C, typename Q, int64_t D>
-void attend_token(const Q* q, Q* out, const C* k_cache, const C* v_cache, const int64_t* table,
-                  int64_t L, int64_t h, int64_t group, int64_t kv_heads, int64_t bs, float scale, Scratch& s) {
+// One span's partial attention for every head: its max score, sum of exponentials and
+// unnormalized weighted sum of V, to be merged with the token's other spans.
+struct Partial {
+  float* m;    // [heads]
+  float* l;    // [heads]
+  float* acc;  // [heads, D]
+};
+
+// Most query heads one pass keeps in registers: G * D / kW accumulators plus a row must fit
+// in the vector registers (32 with AVX-512, 16 below).
+template <int64_t D>
+constexpr int64_t max_group() {
+  constexpr int64_t regs = kW >= 16 ? 32 : 16, v = D / kW;
+  return std::max<int64_t>(1, std::min<int64_t>(8, (regs / 2) / v));
+}
+
+// r[p] = the sum of acc[p]'s lanes, for the kW vectors acc[0..kW): a transposing tree of
+// shuffles and adds (2 operations a row where reducing each vector costs 2 * log2(kW) + 1).
+inline Vec sum_rows(Vec* acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // quarters: row 2i's halves summed, then row 2i + 1's
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter j: 4 partial sums of row 4i + j
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  // lane 4j + k holds row 4k + j
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 s[4], u[2];
+  for (int i = 0; i < 4; ++i)  // halves: row 2i's, then row 2i + 1's 4 partial sums
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm256_add_ps(_mm256_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm256_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+  // lane 4h + k holds row 2k + h
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xEE));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#else
+  float buf[kW];
+  for (int64_t p = 0; p < kW; ++p) buf[p] = reduce(acc[p]);
+  return Vec::loadu(buf);
+#endif
+}
+
+// Scores of one query head (qs: [D], scaled) against n keys (`k`, rows `stride` apart): kW
+// rows at a time through sum_rows, the last n % kW one by one.
+template <typename C, int64_t D>
+inline void score_block(const float* qs, const C* k, int64_t stride, int64_t n, float* sc) {
   constexpr int64_t V = D / kW;
-  s.scores.resize(L);
-  float* sc = s.scores.data();
-  const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
-  Vec row[V];
-  for (int64_t g = 0; g < group; ++g) {
-    Vec qv[V];
-    for (int64_t j = 0; j < V; ++j) {
-      float buf[kW];
-      for (int64_t i = 0; i < kW; ++i) buf[i] = static_cast<float>(q[g * D + j * kW + i]) * scale;
-      qv[j] = Vec::loadu(buf);
+  Vec qv[V], row[V], acc[kW];
+  for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qs + j * kW);
+  auto dot = [&](int64_t p) {
+    load_row<D>(k + p * stride, row);
+    Vec a = qv[0] * row[0];
+    for (int64_t j = 1; j < V; ++j) a = at::vec::fmadd(qv[j], row[j], a);
+    return a;
+  };
+  int64_t p0 = 0;
+  for (; p0 + kW <= n; p0 += kW) {
+    for (int64_t p = 0; p < kW; ++p) acc[p] = dot(p0 + p);
+    sum_rows(acc).store(sc + p0);
+  }
+  for (; p0 < n; ++p0) sc[p0] = reduce(dot(p0));
+}
+
+// acc[g] += sum over the n rows at `v` of w[g][p] * row p, for G heads at once.
+template <typename C, int64_t D, int64_t G>
+inline void weigh_rows(const float* w, int64_t ld, const C* v, int64_t stride, int64_t n, float* acc) {
+  constexpr int64_t V = D / kW;
+  Vec a[G][V], row[V];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < V; ++j) a[g][j] = Vec::loadu(acc + g * D + j * kW);
+  for (int64_t p = 0; p < n; ++p) {
+    load_row<D>(v + p * stride, row);
+    for (int64_t g = 0; g < G; ++g) {
+      const Vec wg(w[g * ld + p]);
+      for (int64_t j = 0; j < V; ++j) a[g][j] = at::vec::fmadd(wg, row[j], a[g][j]);
     }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t pos = 0; pos < L; ++pos) {
-      load_row<D>(k_cache + table[pos / bs] * block_stride + (pos % bs) * token_stride + h * D, row);
-      Vec acc = qv[0] * row[0];
-      for (int64_t j = 1; j < V; ++j) acc = at::vec::fmadd(qv[j], row[j], acc);
-      sc[pos] = reduce(acc);
-      m = std::max(m, sc[pos]);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < V; ++j) a[g][j].store(acc + g * D + j * kW);
+}
+
+// Calls f(std::integral_constant<int64_t, G>{}, first head) over the `group` heads of one kv
+// head in register-sized passes.
+template <int64_t D, typename F>
+inline void by_passes(int64_t group, F&& f) {
+  constexpr int64_t most = max_group<D>();
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t n = std::min(most, group - g0);
+    switch (n) {
+#define STEPSERVE_PASS(N) \
+  case N:                 \
+    if constexpr (N <= most) f(std::integral_constant<int64_t, N>{}, g0); \
+    break;
+      STEPSERVE_PASS(1) STEPSERVE_PASS(2) STEPSERVE_PASS(3) STEPSERVE_PASS(4)
+      STEPSERVE_PASS(5) STEPSERVE_PASS(6) STEPSERVE_PASS(7) STEPSERVE_PASS(8)
+#undef STEPSERVE_PASS
+      default: break;  // unreachable: max_group is at most 8
     }
-    const Vec vm(m);
-    Vec vsum(0.f);
-    int64_t p = 0;
-    for (; p + kW <= L; p += kW) {
-      Vec e = (Vec::loadu(sc + p) - vm).exp();
-      e.store(sc + p);
-      vsum = vsum + e;
-    }
-    float sum = reduce(vsum);
-    for (; p < L; ++p) {
-      sc[p] = std::exp(sc[p] - m);
-      sum += sc[p];
-    }
-    Vec acc[V];
-    for (int64_t j = 0; j < V; ++j) acc[j] = Vec(0.f);
-    for (int64_t pos = 0; pos < L; ++pos) {
-      load_row<D>(v_cache + table[pos / bs] * block_stride + (pos % bs) * token_stride + h * D, row);
-      const Vec w(sc[pos]);
-      for (int64_t j = 0; j < V; ++j) acc[j] = at::vec::fmadd(w, row[j], acc[j]);
-    }
-    const Vec inv(1.f / sum);
-    for (int64_t j = 0; j < V; ++j) {
-      float buf[kW];
-      (acc[j] * inv).store(buf);
-      for (int64_t i = 0; i < kW; ++i) out[g * D + j * kW + i] = static_cast<Q>(buf[i]);
-    }
+    g0 += n;
   }
 }
 
-// Any other head size: the same computation with plain loops.
+// Reads one byte of every cache line of [p, p + elems), in order, before the heads read the
+// block: a run of sequential misses is what the hardware prefetcher follows, where each
+// head's rows alone (D values every kv_heads * D) measured 10-30 % slower. A software
+// prefetch of the next block measured no gain.
+template <typename C>
+inline void touch_block(const C* p, int64_t elems) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(C));
+  unsigned sink = 0;
+  for (int64_t off = 0; off < bytes; off += 64) sink += b[off];
+  asm volatile("" : : "r"(sink));
+}
+
+// Keys [p0, p1) of one query token (its block table `table`) for every head, block by block:
+// a block's rows of all kv heads are contiguous, so it comes from memory as one run and every
+// head then reads it from L1. One kv head at a time over the whole context (this kernel's
+// previous form: each pass strides through the blocks, D values in every kv_heads * D)
+// measured 1.2x slower with a float32 cache and 1.5x with a 16-bit one (bench/RESULTS.md).
+template <typename C, int64_t D>
+void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int64_t* table, int64_t p0, int64_t p1,
+                 int64_t heads, int64_t kv_heads, int64_t bs, Partial part, Scratch& s) {
+  const int64_t group = heads / kv_heads, n = p1 - p0;
+  const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
+  s.scores.resize(heads * n);
+  float* sc = s.scores.data();
+  for (int64_t b0 = p0; b0 < p1; b0 += bs) {
+    const C* block = k_cache + table[b0 / bs] * block_stride;
+    const int64_t rows = std::min(bs, p1 - b0);
+    touch_block(block, rows * token_stride);
+    for (int64_t i = 0; i < heads; ++i)
+      score_block<C, D>(qs + i * D, block + (i / group) * D, token_stride, rows, sc + i * n + (b0 - p0));
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = sc + i * n;
+    Vec vmax(-std::numeric_limits<float>::infinity());
+    int64_t q = 0;
+    for (; q + kW <= n; q += kW) vmax = at::vec::maximum(vmax, Vec::loadu(si + q));
+    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+    for (; q < n; ++q) mx = std::max(mx, si[q]);
+    part.m[i] = mx;
+    const Vec vm(mx);
+    Vec vsum(0.f);
+    int64_t p = 0;
+    for (; p + kW <= n; p += kW) {
+      Vec e = (Vec::loadu(si + p) - vm).exp();
+      e.store(si + p);
+      vsum = vsum + e;
+    }
+    float sum = reduce(vsum);
+    for (; p < n; ++p) {
+      si[p] = std::exp(si[p] - part.m[i]);
+      sum += si[p];
+    }
+    part.l[i] = sum;
+  }
+  std::fill(part.acc, part.acc + heads * D, 0.f);
+  for (int64_t b0 = p0; b0 < p1; b0 += bs) {
+    const C* block = v_cache + table[b0 / bs] * block_stride;
+    const int64_t rows = std::min(bs, p1 - b0);
+    touch_block(block, rows * token_stride);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      by_passes<D>(group, [&](auto G, int64_t g0) {
+        const int64_t first = h * group + g0;
+        weigh_rows<C, D, G()>(sc + first * n + (b0 - p0), n, block + h * D, token_stride, rows, part.acc + first * D);
+      });
+  }
+}
+
+// Any other head size (or a block size that does not divide kSpan): one (token, kv head) at a
+// time over the whole context, plain loops.
 template <typename C, typename Q>
 void attend_token_any(const Q* q, Q* out, const C* k_cache, const C* v_cache, const int64_t* table, int64_t L,
-                      int64_t h, int64_t group, int64_t kv_heads, int64_t d, int64_t bs, float scale, Scratch& s) {
-  s.scores.resize(L);
-  float* sc = s.scores.data();
+                      int64_t h, int64_t group, int64_t kv_heads, int64_t d, int64_t bs, float scale,
+                      std::vector<float>& scores) {
+  scores.resize(L);
+  float* sc = scores.data();
   const int64_t token_stride = kv_heads * d, block_stride = bs * token_stride;
   for (int64_t g = 0; g < group; ++g) {
     float m = -std::numeric_limits<float>::infinity();
@@ -149,12 +290,70 @@ void attend_token_any(const Q* q, Q* out, const C* k_cache, const C* v_cache, co
   }
 }
 
-// Every query token of the short requests, one (token, kv head) work item each.
+// Every query token of the short requests: one work item per (token, span of kSpan keys),
+// in parallel; then each token's spans merged in order.
+template <typename C, typename Q, int64_t D>
+void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
+                  const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_req,
+                  const std::vector<int64_t>& token_len, float scale) {
+  const int64_t heads = q.size(1), kv_heads = kc.size(2), bs = kc.size(1), n = static_cast<int64_t>(tokens.size());
+  TORCH_CHECK(kSpan % bs == 0, "block size must divide ", kSpan);
+  const auto* tables = g_state.block_tables.data_ptr<int64_t>();
+  const int64_t table_width = g_state.block_tables.size(1);
+  std::vector<int64_t> first_item(n + 1, 0);  // token i's spans: items [first_item[i], first_item[i + 1])
+  for (int64_t i = 0; i < n; ++i) first_item[i + 1] = first_item[i] + (token_len[i] + kSpan - 1) / kSpan;
+  const int64_t items = first_item[n], per_item = heads * (D + 2);
+  std::vector<float> partials(items * per_item);
+  std::vector<int64_t> item_token(items);
+  for (int64_t i = 0; i < n; ++i) std::fill(item_token.begin() + first_item[i], item_token.begin() + first_item[i + 1], i);
+  const C* k_ptr = kc.data_ptr<C>();
+  const C* v_ptr = vc.data_ptr<C>();
+  const Q* q_ptr = q.data_ptr<Q>();
+  Q* o_ptr = out.data_ptr<Q>();
+  auto part_of = [&](int64_t item) {
+    float* base = partials.data() + item * per_item;
+    return Partial{base, base + heads, base + 2 * heads};
+  };
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item_token[item], p0 = (item - first_item[i]) * kSpan;
+      const int64_t p1 = std::min(token_len[i], p0 + kSpan);
+      scratch.query.resize(heads * D);
+      const Q* qt = q_ptr + tokens[i] * heads * D;
+      for (int64_t x = 0; x < heads * D; ++x) scratch.query[x] = static_cast<float>(qt[x]) * scale;
+      attend_span<C, D>(scratch.query.data(), k_ptr, v_ptr, tables + token_req[i] * table_width, p0, p1, heads,
+                        kv_heads, bs, part_of(item), scratch);
+    }
+  });
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      Q* ot = o_ptr + tokens[i] * heads * D;
+      const int64_t a = first_item[i], b = first_item[i + 1];
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t it = a; it < b; ++it) m = std::max(m, part_of(it).m[hd]);
+        float l = 0.f, o[D] = {};
+        for (int64_t it = a; it < b; ++it) {
+          const Partial p = part_of(it);
+          const float w = b - a == 1 ? 1.f : std::exp(p.m[hd] - m);
+          l += w * p.l[hd];
+          for (int64_t x = 0; x < D; ++x) o[x] += w * p.acc[hd * D + x];
+        }
+        for (int64_t x = 0; x < D; ++x) ot[hd * D + x] = static_cast<Q>(o[x] / l);
+      }
+    }
+  });
+}
+
+// Every query token of the short requests.
 template <typename C, typename Q>
 void attend_short(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
                   const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_req,
                   const std::vector<int64_t>& token_len, float scale) {
   const int64_t heads = q.size(1), d = q.size(2), kv_heads = kc.size(2), bs = kc.size(1);
+  if (d == 64 && kSpan % bs == 0) return attend_spans<C, Q, 64>(q, out, kc, vc, tokens, token_req, token_len, scale);
+  if (d == 128 && kSpan % bs == 0) return attend_spans<C, Q, 128>(q, out, kc, vc, tokens, token_req, token_len, scale);
   const int64_t group = heads / kv_heads, n = static_cast<int64_t>(tokens.size());
   const auto* tables = g_state.block_tables.data_ptr<int64_t>();
   const int64_t table_width = g_state.block_tables.size(1);
@@ -163,18 +362,12 @@ void attend_short(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
   const Q* q_ptr = q.data_ptr<Q>();
   Q* o_ptr = out.data_ptr<Q>();
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch scratch;
+    thread_local std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kv_heads, h = item % kv_heads, t = tokens[i];
       const int64_t offset = (t * heads + h * group) * d;
-      const int64_t* table = tables + token_req[i] * table_width;
-      const int64_t L = token_len[i];
-      if (d == 64)
-        attend_token<C, Q, 64>(q_ptr + offset, o_ptr + offset, k_ptr, v_ptr, table, L, h, group, kv_heads, bs, scale, scratch);
-      else if (d == 128)
-        attend_token<C, Q, 128>(q_ptr + offset, o_ptr + offset, k_ptr, v_ptr, table, L, h, group, kv_heads, bs, scale, scratch);
-      else
-        attend_token_any<C, Q>(q_ptr + offset, o_ptr + offset, k_ptr, v_ptr, table, L, h, group, kv_heads, d, bs, scale, scratch);
+      attend_token_any<C, Q>(q_ptr + offset, o_ptr + offset, k_ptr, v_ptr, tables + token_req[i] * table_width,
+                             token_len[i], h, group, kv_heads, d, bs, scale, scores);
     }
   });
 }
@@ -254,17 +447,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   if (!tokens.empty()) {
     const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-    const bool cache_bf16 = kc.scalar_type() == at::kBFloat16, q_bf16 = qc.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(cache_bf16 || kc.scalar_type() == at::kFloat, "KV cache must be float32 or bfloat16");
+    const auto cache = kc.scalar_type();
+    const bool q_bf16 = qc.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf,
+                "KV cache must be float32, bfloat16 or float16");
     TORCH_CHECK(q_bf16 || qc.scalar_type() == at::kFloat, "queries must be float32 or bfloat16");
-    if (cache_bf16 && q_bf16)
-      attend_short<at::BFloat16, at::BFloat16>(qc, out, kc, vc, tokens, token_req, token_len, scale);
-    else if (cache_bf16)
-      attend_short<at::BFloat16, float>(qc, out, kc, vc, tokens, token_req, token_len, scale);
-    else if (q_bf16)
-      attend_short<float, at::BFloat16>(qc, out, kc, vc, tokens, token_req, token_len, scale);
+    auto run = [&](auto cache_type) {
+      using C = decltype(cache_type);
+      if (q_bf16)
+        attend_short<C, at::BFloat16>(qc, out, kc, vc, tokens, token_req, token_len, scale);
+      else
+        attend_short<C, float>(qc, out, kc, vc, tokens, token_req, token_len, scale);
+    };
+    if (cache == at::kFloat)
+      run(float{});
+    else if (cache == at::kBFloat16)
+      run(at::BFloat16{});
     else
-      attend_short<float, float>(qc, out, kc, vc, tokens, token_req, token_len, scale);
+      run(at::Half{});
   }
   return out;
 }
