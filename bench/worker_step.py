@@ -6,6 +6,7 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
     python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
     python bench/worker_step.py --batches 1 16 --chunks 256 --context 96 --compare-activations
+    python bench/worker_step.py --batches 1 64 --chunks 256 --context 400 --compare-kv-cache
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
@@ -216,11 +217,11 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
     return {key: median(v) for key, v in times.items()}
 
 
-def build_runner(args: argparse.Namespace, gguf_activations: str = "auto") -> ModelRunner:
+def build_runner(args: argparse.Namespace, gguf_activations: str = "auto", kv_cache_dtype: str | None = None) -> ModelRunner:
     config = WorkerConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                           max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_gib << 30,
                           num_threads=args.threads, enforce_eager=args.enforce_eager,
-                          gguf_activations=gguf_activations)
+                          gguf_activations=gguf_activations, kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype)
     if args.model_shape is None:
         return ModelRunner(config)
     if not args.random_weights:
@@ -259,7 +260,8 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
                 "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
                 "roofline_ms": round(bound * 1e3, 2), "roofline_fraction": round(bound / seconds, 3),
             }
-    return {"dtype": info.dtype, "quantization": info.quantization, "gguf_activations": runner.gguf_activations, "compiled": info.compiled,
+    return {"dtype": info.dtype, "quantization": info.quantization, "gguf_activations": runner.gguf_activations,
+            "kv_cache_dtype": info.kv_cache_dtype, "compiled": info.compiled,
             "weight_bytes": weight_bytes, "decode": decode, "prefill": prefill, "steps": steps}
 
 
@@ -418,17 +420,14 @@ def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def activations_ab(runner: ModelRunner, args: argparse.Namespace, rounds: int = 15, steps: int = 3) -> dict[str, Any]:
-    """The GGUF products with int8 activations (the default where the CPU runs them) against
-    float32 ones, on two runners in one process, alternating which goes first each round so
-    both share the machine's drift: every decode batch (at the first --context) and prefill
-    chunk, `steps` steps a round; medians and the median of the rounds' ratios."""
-    if runner.gguf_activations != "int8":
-        return {"skipped": f"this runner's GGUF activations are {runner.gguf_activations}, not int8"}
-    other = build_runner(args, gguf_activations="float32")
-    benches = {"int8": Bench(runner), "float32": Bench(other)}
+def runners_ab(runners: dict[str, ModelRunner], args: argparse.Namespace, rounds: int = 15, steps: int = 3) -> dict[str, Any]:
+    """Two runners in one process, alternating which goes first each round so both share the
+    machine's drift: every decode batch (at the first --context) and prefill chunk, `steps`
+    steps a round; medians and the median of the rounds' ratios (first over second)."""
+    (a, _), (b, _) = runners.items()
+    benches = {name: Bench(runner) for name, runner in runners.items()}
     context = args.context[0]
-    groups = {name: {b: start_decodes(bench, b, context) for b in args.batches} for name, bench in benches.items()}
+    groups = {name: {n: start_decodes(bench, n, context) for n in args.batches} for name, bench in benches.items()}
 
     def once(name: str, shape: tuple[str, int]) -> float:
         bench = benches[name]
@@ -437,22 +436,38 @@ def activations_ab(runner: ModelRunner, args: argparse.Namespace, rounds: int = 
         ids = groups[name][shape[1]]
         return sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps)) / steps
 
-    shapes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.chunks]
+    shapes = [("decode", n) for n in args.batches] + [("prefill", n) for n in args.chunks]
     times: dict[tuple[str, str, int], list[float]] = {}
     for r in range(rounds + 1):
         for shape in shapes:
-            for name in ("int8", "float32") if r % 2 else ("float32", "int8"):
+            for name in (a, b) if r % 2 else (b, a):
                 seconds = once(name, shape)
                 if r:  # round 0 warms both up
                     times.setdefault((name, *shape), []).append(seconds)
     out: dict[str, Any] = {}
     for kind, n in shapes:
-        fast, slow = times[("int8", kind, n)], times[("float32", kind, n)]
-        out[f"{kind}_{n}"] = {"int8_ms": round(median(fast) * 1e3, 3), "float32_ms": round(median(slow) * 1e3, 3),
-                              "int8_over_float32_pair_median": round(median([f / s for f, s in zip(fast, slow, strict=True)]), 3)}
+        first, second = times[(a, kind, n)], times[(b, kind, n)]
+        out[f"{kind}_{n}"] = {f"{a}_ms": round(median(first) * 1e3, 3), f"{b}_ms": round(median(second) * 1e3, 3),
+                              f"{a}_over_{b}_pair_median": round(median([x / y for x, y in zip(first, second, strict=True)]), 3)}
     for bench in benches.values():
         bench.finish_all()
     return out
+
+
+def activations_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
+    """The GGUF products with int8 activations (the default where the CPU runs them) against
+    float32 ones (`runners_ab`)."""
+    if runner.gguf_activations != "int8":
+        return {"skipped": f"this runner's GGUF activations are {runner.gguf_activations}, not int8"}
+    return runners_ab({"int8": runner, "float32": build_runner(args, gguf_activations="float32")}, args)
+
+
+def kv_cache_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
+    """This runner's KV cache element type against a float32 cache (`runners_ab`)."""
+    mine = runner.info.kv_cache_dtype
+    if mine == "float32":
+        return {"skipped": "this runner's KV cache is float32 already"}
+    return runners_ab({mine: runner, "float32": build_runner(args, kv_cache_dtype="float32")}, args)
 
 
 def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
@@ -491,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=4,
                         help="CPU KV cache size; every decode batch stays cached for the whole run "
                              "(the default grid needs ~2.2 GiB with SmolLM2 in fp32)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
     parser.add_argument("--breakdown", action="store_true",
                         help="also break each decode batch's step (and one prefill chunk) into phases and operator groups")
@@ -498,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time every decode batch and prefill chunk with the GGUF products' int8 activations "
                              "(the default where the CPU runs them) against float32 ones, two runners in one "
                              "process, alternating rounds")
+    parser.add_argument("--compare-kv-cache", action="store_true",
+                        help="also time every decode batch and prefill chunk with this runner's KV cache element type "
+                             "(float16 by default on the C++ attention) against a float32 cache, the same way")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
@@ -515,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         report["breakdown"] = breakdown(runner, args)
     if args.compare_activations:
         report["gguf_activations"] = activations_ab(runner, args)
+    if args.compare_kv_cache:
+        report["kv_cache"] = kv_cache_ab(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

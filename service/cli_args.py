@@ -77,7 +77,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face Llama-family directory (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own name)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation and KV dtype (auto: bfloat16 on CUDA; on CPU float32 for a GGUF model, whose "
+                   help="activation dtype, and the KV cache's unless --kv-cache-dtype says otherwise (auto: bfloat16 on CUDA; on CPU float32 for a GGUF model, whose "
                         "bfloat16 forms fail the accuracy gate, else bfloat16 only where a start-up probe measures "
                         "its matmuls faster than float32's)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
@@ -114,6 +114,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def _add_cache(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's element type (vLLM's flag; llama.cpp: --cache-type-k/-v). auto: float16 "
+                        "where the C++ CPU attention serves a GGUF model (half the bytes a long decode reads, "
+                        "twice the tokens in --kv-cache-memory; within the accuracy gate, bench/RESULTS.md), "
+                        "else the model's dtype (the reference mode stays float32). On CUDA: the model's dtype only")
     g.add_argument("--kv-cache-memory", type=_size_arg, default="1GiB", help="KV cache size on CPU, e.g. 1GiB, 512MiB (default %(default)s)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV on CUDA (default %(default)s)")
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped-out blocks (default %(default)s: swap off)")

@@ -94,8 +94,9 @@ class ServiceMetrics:
         self.worker = Info("stepserve:worker", "How the worker runs the model (chosen at start-up).", labels, registry=r).labels(model_name)
 
     def set_worker(self, *, device: str, dtype: str, quantization: str, compiled: bool, attention_backend: str,
-                   num_threads: int, batch_invariant: bool = False) -> None:
-        self.worker.info({"device": device, "dtype": dtype, "quantization": quantization, "compiled": str(compiled).lower(),
+                   num_threads: int, batch_invariant: bool = False, kv_cache_dtype: str = "") -> None:
+        self.worker.info({"device": device, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype or dtype,
+                          "quantization": quantization, "compiled": str(compiled).lower(),
                           "attention_backend": attention_backend, "num_threads": str(num_threads),
                           "batch_invariant": str(batch_invariant).lower()})
 

@@ -43,6 +43,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         batch_invariant=a["batch_invariant"],
         device=a["device"],
         block_size=a["block_size"],
+        kv_cache_dtype=a["kv_cache_dtype"],
         max_model_len=a["max_model_len"],
         # sizes the CUDA profiling forward, which is capped at the model's length anyway
         max_num_batched_tokens=_token_budget(args, a["max_model_len"] or 1 << 31),
@@ -120,7 +121,7 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
         metrics = ServiceMetrics(name)
         metrics.set_worker(device=info.device, dtype=info.dtype, quantization=info.quantization, compiled=info.compiled,
                            attention_backend=info.attention_backend, num_threads=info.num_threads,
-                           batch_invariant=info.batch_invariant)
+                           batch_invariant=info.batch_invariant, kv_cache_dtype=info.kv_cache_dtype)
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
@@ -130,9 +131,10 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             metrics=metrics,
             step_time=StepTimeFeed(step_model, sched_config.step_time_target, metrics),
         )
-        log.info("worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d tokens",
-                 info.model_name, info.device, info.dtype, info.quantization, info.extra.get("forward", "eager"),
-                 info.attention_backend, info.num_threads, info.num_gpu_blocks, info.block_size)
+        log.info("worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d "
+                 "tokens (%s)", info.model_name, info.device, info.dtype, info.quantization,
+                 info.extra.get("forward", "eager"), info.attention_backend, info.num_threads, info.num_gpu_blocks,
+                 info.block_size, info.kv_cache_dtype)
         log.info("step budget: %d tokens, %s; swap copies at %.1f GB/s", sched_config.max_num_batched_tokens,
                  f"{sched_config.step_time_target * 1e3:g} ms" if sched_config.step_time_target else "no time target",
                  info.copy_bandwidth / 1e9)

@@ -236,7 +236,7 @@ class TorchAttention(_PythonBackend):
         # query each, same keys, so no GQA expansion (copy) of K/V is needed.
         kv_heads = keys.shape[1]
         grouped = q.view(n, kv_heads, q.shape[1] // kv_heads, q.shape[2])
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_key_mask)
+        out = F.scaled_dot_product_attention(grouped, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_key_mask)
         return out.reshape(q.shape)
 
     def _prefill(

@@ -27,6 +27,9 @@ class WorkerConfig:
     batch_invariant: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
+    # auto: float16 where the C++ CPU attention reads a GGUF model's cache (half the bytes a
+    # decode reads; see worker.model_runner.resolve_kv_dtype), else the model's dtype
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     max_num_batched_tokens: int = 2048  # size of the profiling forward on CUDA
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
@@ -49,6 +52,8 @@ class WorkerConfig:
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
         if self.gguf_activations not in ("auto", "int8", "float32"):
             raise ValueError(f"gguf_activations must be auto, int8 or float32, got {self.gguf_activations!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):
@@ -88,6 +93,7 @@ class WorkerInfo:
     kv_bytes_per_token: int
     num_params: int
     quantization: str = "none"
+    kv_cache_dtype: str = ""  # the KV cache's element type ("" from a worker that predates it)
     compiled: bool = False
     batch_invariant: bool = False
     num_threads: int = 1

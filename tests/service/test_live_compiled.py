@@ -34,6 +34,8 @@ def test_defaults_run_compiled_and_say_so(default_live_server: Any) -> None:
     assert labels["device"] == "cpu" and labels["model_name"] == MODEL
     # a GGUF model never runs bf16 by default: it fails the accuracy gate (see test_fast_mode)
     assert labels["dtype"] == "float32"
+    # the C++ attention reads a float16 cache by default (half the bytes of a long decode)
+    assert labels["kv_cache_dtype"] == ("float16" if labels["attention_backend"] == "cpu" else "float32")
     log = default_live_server.log()
     assert "worker ready" in log
     if labels["compiled"] != "true":  # kept eager only when the start-up timing says so, and logged

@@ -88,7 +88,7 @@ def test_teacher_forced_top1_agreement(fast_runner: Any, smol_runner: Any, smol_
         agree_decode, total_decode = agree_decode + sum(same[half:]), total_decode + len(same[half:])
     info = fast_runner.info
     with capsys.disabled():
-        print(f"\nfast mode ({info.dtype}, quantization {info.quantization}, compiled {info.compiled}): "
+        print(f"\nfast mode ({info.dtype}, quantization {info.quantization}, KV cache {info.kv_cache_dtype}, compiled {info.compiled}): "
               f"teacher-forced top-1 agreement {agree}/{total} = {agree / total:.4f} "
               f"(decode steps {agree_decode}/{total_decode} = {agree_decode / total_decode:.4f})")
     assert total >= 2000
