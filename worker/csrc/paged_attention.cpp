@@ -213,19 +213,20 @@ inline void touch_block(const C* p, int64_t elems) {
 // measured 1.2x slower with a float32 cache and 1.5x with a 16-bit one (bench/RESULTS.md).
 template <typename C, int64_t D>
 void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int64_t* table, int64_t p0, int64_t p1,
-                 int64_t heads, int64_t kv_heads, int64_t bs, Partial part, Scratch& s) {
+                 int64_t heads, int64_t kv_heads, int64_t h0, int64_t h1, int64_t bs, Partial part, Scratch& s) {
   const int64_t group = heads / kv_heads, n = p1 - p0;
   const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
+  const bool whole = h0 == 0 && h1 == kv_heads;  // else another item reads the other heads' rows
   s.scores.resize(heads * n);
   float* sc = s.scores.data();
   for (int64_t b0 = p0; b0 < p1; b0 += bs) {
     const C* block = k_cache + table[b0 / bs] * block_stride;
     const int64_t rows = std::min(bs, p1 - b0);
-    touch_block(block, rows * token_stride);
-    for (int64_t i = 0; i < heads; ++i)
+    if (whole) touch_block(block, rows * token_stride);
+    for (int64_t i = h0 * group; i < h1 * group; ++i)
       score_block<C, D>(qs + i * D, block + (i / group) * D, token_stride, rows, sc + i * n + (b0 - p0));
   }
-  for (int64_t i = 0; i < heads; ++i) {
+  for (int64_t i = h0 * group; i < h1 * group; ++i) {
     float* si = sc + i * n;
     Vec vmax(-std::numeric_limits<float>::infinity());
     int64_t q = 0;
@@ -248,12 +249,12 @@ void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int6
     }
     part.l[i] = sum;
   }
-  std::fill(part.acc, part.acc + heads * D, 0.f);
+  std::fill(part.acc + h0 * group * D, part.acc + h1 * group * D, 0.f);
   for (int64_t b0 = p0; b0 < p1; b0 += bs) {
     const C* block = v_cache + table[b0 / bs] * block_stride;
     const int64_t rows = std::min(bs, p1 - b0);
-    touch_block(block, rows * token_stride);
-    for (int64_t h = 0; h < kv_heads; ++h)
+    if (whole) touch_block(block, rows * token_stride);
+    for (int64_t h = h0; h < h1; ++h)
       by_passes<D>(group, [&](auto G, int64_t g0) {
         const int64_t first = h * group + g0;
         weigh_rows<C, D, G()>(sc + first * n + (b0 - p0), n, block + h * D, token_stride, rows, part.acc + first * D);
@@ -291,7 +292,9 @@ void attend_token_any(const Q* q, Q* out, const C* k_cache, const C* v_cache, co
 }
 
 // Every query token of the short requests: one work item per (token, span of kSpan keys),
-// in parallel; then each token's spans merged in order.
+// in parallel (per kv head too when there are too few to keep every thread busy: one
+// decode); then each token's spans merged in order. How the work is cut never changes what
+// a head computes.
 template <typename C, typename Q, int64_t D>
 void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
                   const std::vector<int64_t>& tokens, const std::vector<int64_t>& token_req,
@@ -314,16 +317,18 @@ void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
     float* base = partials.data() + item * per_item;
     return Partial{base, base + heads, base + 2 * heads};
   };
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t split = items < 2 * at::get_num_threads() ? kv_heads : 1;
+  at::parallel_for(0, items * split, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / split, h0 = (work % split) * (kv_heads / split), h1 = h0 + kv_heads / split;
       const int64_t i = item_token[item], p0 = (item - first_item[i]) * kSpan;
       const int64_t p1 = std::min(token_len[i], p0 + kSpan);
       scratch.query.resize(heads * D);
       const Q* qt = q_ptr + tokens[i] * heads * D;
       for (int64_t x = 0; x < heads * D; ++x) scratch.query[x] = static_cast<float>(qt[x]) * scale;
       attend_span<C, D>(scratch.query.data(), k_ptr, v_ptr, tables + token_req[i] * table_width, p0, p1, heads,
-                        kv_heads, bs, part_of(item), scratch);
+                        kv_heads, h0, h1, bs, part_of(item), scratch);
     }
   });
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
