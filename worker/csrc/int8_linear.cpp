@@ -110,11 +110,16 @@ void tile_rows(const Quantized& x, int64_t K, const uint8_t* codes, const uint16
       const auto* qb = reinterpret_cast<const int32_t*>(x.b + at);
       const int32_t sum = x.sum[row * G + g];
       // Q8's codes are q + 128: start at -128 * sum(128 a + b)
-      __m512i hi = _mm512_setzero_si512(), lo = _mm512_set1_epi32(Bits == 8 ? -128 * sum : 0);
-      for (int p = 0; p < 8; ++p) {
-        hi = _mm512_dpbusd_epi32(hi, w[p], _mm512_set1_epi32(qa[p]));
-        lo = _mm512_dpbusd_epi32(lo, w[p], _mm512_set1_epi32(qb[p]));
+      // two chains a level (even and odd vectors): four dependent vpdpbusd each, not eight
+      __m512i hi0 = _mm512_setzero_si512(), hi1 = _mm512_setzero_si512();
+      __m512i lo0 = _mm512_set1_epi32(Bits == 8 ? -128 * sum : 0), lo1 = _mm512_setzero_si512();
+      for (int p = 0; p < 8; p += 2) {
+        hi0 = _mm512_dpbusd_epi32(hi0, w[p], _mm512_set1_epi32(qa[p]));
+        lo0 = _mm512_dpbusd_epi32(lo0, w[p], _mm512_set1_epi32(qb[p]));
+        hi1 = _mm512_dpbusd_epi32(hi1, w[p + 1], _mm512_set1_epi32(qa[p + 1]));
+        lo1 = _mm512_dpbusd_epi32(lo1, w[p + 1], _mm512_set1_epi32(qb[p + 1]));
       }
+      const __m512i hi = _mm512_add_epi32(hi0, hi1), lo = _mm512_add_epi32(lo0, lo1);
       const float s = x.s[row * G + g];
       const __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo));
       acc[i] = _mm512_fmadd_ps(total, _mm512_mul_ps(dw, _mm512_set1_ps(s)), acc[i]);
