@@ -9,12 +9,16 @@ lengths):
     saturating  64 requests of mixed lengths sent at once (total and output tokens/s, ITL, TTFT)
     poisson     48 requests at a Poisson rate (TTFT, ITL, TPOT)
 
-Prints JSON: both summaries per scenario and stepserve / llama-server ratios. The binary is
+Prints JSON: both summaries per scenario and stepserve / llama-server ratios. With `--rounds
+N` both servers run N times, which goes first alternating, and each ratio is the median of
+the rounds' (every round's summaries under "rounds"): on a shared machine whose speed drifts
+within minutes, one server's turn can fall in a slow stretch the other's misses. The binary is
 the one `../shared/tools/build-llama-server.sh` builds (or `--llama-server PATH`); when it is
 absent the bench says how to build it and exits 2.
 
     python bench/vs_llamacpp.py                     # all scenarios (a quiet machine: ~10 min)
     python bench/vs_llamacpp.py --scenarios single --stepserve-flags --enforce-eager
+    python bench/vs_llamacpp.py --scenarios single saturating --rounds 4
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -106,6 +111,15 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def median_ratios(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds' ratios (None where no round has it)."""
+    out: dict[str, Any] = {}
+    for name in RATIOS:
+        values = [r[name] for r in rounds if r.get(name) is not None]
+        out[name] = round(statistics.median(values), 3) if values else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", default="auto", help="path to llama-server ('auto': the build script's)")
@@ -115,25 +129,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `stepserve serve` flags (last on the command line)")
     ap.add_argument("--slots", type=int, default=64, help="llama-server's parallel slots (-np)")
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run both servers this many times, alternating which goes first (llama-server in even "
+                         "rounds), and report each figure's median ratio: the machine's drift between the two "
+                         "servers' turns then falls on both sides")
     args = ap.parse_args(argv)
     binary = llama_server_binary(args.llama_server)
     if binary is None:
         print(f"bench/vs_llamacpp.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-vs-llamacpp-"))
-    port = free_port()
-    llama = run_all(llama_cmd(binary, port, args.threads, args.slots, args.ctx_per_slot), port, args.scenarios, tmp,
-                    "llama-server")
-    port = free_port()
-    ours = run_all(stepserve_cmd(port, args.threads, args.stepserve_flags), port, args.scenarios, tmp, "stepserve")
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        done: dict[str, Any] = {}
+        for name in ("llama-server", "stepserve") if r % 2 == 0 else ("stepserve", "llama-server"):
+            port = free_port()
+            cmd = (llama_cmd(binary, port, args.threads, args.slots, args.ctx_per_slot) if name == "llama-server"
+                   else stepserve_cmd(port, args.threads, args.stepserve_flags))
+            done[name] = run_all(cmd, port, args.scenarios, tmp, name if r == 0 else f"{name}-{r}")
+        rounds.append({"first": "llama-server" if r % 2 == 0 else "stepserve", "llama_server": done["llama-server"],
+                       "stepserve": done["stepserve"], "ratios": ratios(done["stepserve"], done["llama-server"])})
+    llama, ours = rounds[0]["llama_server"], rounds[0]["stepserve"]
     log = (tmp / "stepserve.log").read_text(errors="replace")
     chosen = [line.split("stepserve.worker: ", 1)[1] for line in log.splitlines()
               if "stepserve.worker: kernels:" in line or "stepserve.worker: forward:" in line]
     print(json.dumps({"benchmark": "vs_llamacpp", "cpu": cpu_info(), "threads": args.threads,
                       "stepserve_flags": args.stepserve_flags, "stepserve_worker": chosen,
                       "scenarios": {s: SCENARIOS[s] for s in args.scenarios},
-                      "llama_server": llama, "stepserve": ours, "ratios_stepserve_over_llama": ratios(ours, llama),
-                      "logs": str(tmp)}, indent=2))
+                      "llama_server": llama, "stepserve": ours,
+                      "ratios_stepserve_over_llama": median_ratios([r["ratios"] for r in rounds]),
+                      **({"rounds": rounds} if args.rounds > 1 else {}), "logs": str(tmp)}, indent=2))
     return 0
 
 
