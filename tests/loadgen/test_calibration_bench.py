@@ -6,27 +6,21 @@ from, and change what the simulator predicts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_modules import load_bench
 
 from loadgen.sim.calibrate import StepSample, samples_from_bench
 from loadgen.sim.cli import main as simulate_main
 from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _worker_step() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("worker_step_bench", ROOT / "bench" / "worker_step.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("worker_step")
 
 
 def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,15 +4,13 @@ side by side (the numbers themselves are the benchmark's job, not the test's).""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_modules import load_bench
 
 from loadgen.sim.cost_model import BatchShape, CostModel, get_hardware, get_model_shape
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fidelity_reports_measured_and_simulated_side_by_side(tmp_path: Path,
@@ -27,10 +25,7 @@ def test_fidelity_reports_measured_and_simulated_side_by_side(tmp_path: Path,
     grid = tmp_path / "worker_step.json"
     grid.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "context": 64,
                                 "results": [{"dtype": "float32", "decode": {}, "prefill": {}, "steps": steps}]}))
-    spec = importlib.util.spec_from_file_location("fidelity_bench", ROOT / "bench" / "fidelity.py")
-    assert spec is not None and spec.loader is not None
-    fidelity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fidelity)
+    fidelity = load_bench("fidelity")
 
     fidelity.main(["--bench-json", str(grid), "--worker-args=--enforce-eager", "--num-prompts", "3", "--request-rates", "4",
                    "--prompt-len", "uniform:16:32", "--output-len", "uniform:4:6", "--threads", "1"])

@@ -3,23 +3,13 @@ servers themselves are the benchmark's to run, not the test's)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("vs_llamacpp_bench", ROOT / "bench" / "vs_llamacpp.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_modules import load_bench
 
 
 def test_ratios_and_their_median_over_rounds() -> None:
-    bench = _bench()
+    bench = load_bench("vs_llamacpp")
 
     def summaries(tpot: float, tokens: float) -> dict[str, Any]:
         return {"single": {"median_tpot_ms": tpot}, "saturating": {"total_token_throughput": tokens}}

@@ -1,0 +1,18 @@
+"""Loading a script under `bench/` as a module (bench/ is not a package the tests import)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench(name: str) -> ModuleType:
+    """`bench/<name>.py` as a fresh module."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
