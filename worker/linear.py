@@ -100,14 +100,6 @@ class Int4Linear(nn.Module):
         _buffer(self, "bias", None if bias is None else bias.to(dtype))
         _buffer(self, "dense", None if dense_above is None else weight.dequantize(dtype))
 
-    @classmethod
-    def tiled_from(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear | None:
-        """The tiled form where the CPU runs it and the scales are exact in float16; else None."""
-        tiled = tile_gguf(weight) if int8_supported() else None
-        if tiled is None:
-            return None
-        return cls(*tiled, 8 if weight.kind == "int8" else 4, bias, tiled_rows=weight.shape[0])
-
     @property
     def out_features(self) -> int:
         return self.n
