@@ -341,7 +341,7 @@ void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
         float l = 0.f, o[D] = {};
         for (int64_t it = a; it < b; ++it) {
           const Partial p = part_of(it);
-          const float w = b - a == 1 ? 1.f : std::exp(p.m[hd] - m);
+          const float w = std::exp(p.m[hd] - m);  // 1 exactly for the span holding the max
           l += w * p.l[hd];
           for (int64_t x = 0; x < D; ++x) o[x] += w * p.acc[hd * D + x];
         }
