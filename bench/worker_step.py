@@ -7,6 +7,7 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
     python bench/worker_step.py --batches 1 16 --chunks 256 --context 96 --compare-activations
     python bench/worker_step.py --batches 1 64 --chunks 256 --context 400 --compare-kv-cache
+    python bench/worker_step.py --batches 1 --chunks 256 1024 --chunk-context 0 --compare-chunk-attention
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
@@ -35,6 +36,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -420,20 +422,39 @@ def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def runners_ab(runners: dict[str, ModelRunner], args: argparse.Namespace, rounds: int = 15, steps: int = 3) -> dict[str, Any]:
-    """Two runners in one process, alternating which goes first each round so both share the
-    machine's drift: every decode batch (at the first --context) and prefill chunk, `steps`
-    steps a round; medians and the median of the rounds' ratios (first over second)."""
-    (a, _), (b, _) = runners.items()
-    benches = {name: Bench(runner) for name, runner in runners.items()}
-    context = args.context[0]
-    groups = {name: {n: start_decodes(bench, n, context) for n in args.batches} for name, bench in benches.items()}
+@dataclass(frozen=True)
+class Arm:
+    """One side of an in-process A/B: a runner, and what to switch before each of its turns
+    (two arms may share one runner and differ only in the switch)."""
+
+    runner: ModelRunner
+    switch: Callable[[], None] = lambda: None
+
+
+def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, rounds: int = 16, steps: int = 3) -> dict[str, Any]:
+    """Two arms in one process, alternating which goes first each round so both share the
+    machine's drift: every decode batch (at the first --context) and prefill chunk (after the
+    first --chunk-context), `steps` steps a round; medians, and the median over each two
+    rounds (one in either order) of the geometric mean of their ratios (first over second).
+    The arm that goes first follows the other shapes' steps, which can cost it (a decode right
+    after a long prefill measured up to 1.6x slower): one order's ratios alone are biased."""
+    sides = {name: arm if isinstance(arm, Arm) else Arm(arm) for name, arm in arms.items()}
+    (a, _), (b, _) = sides.items()
+    benches: dict[int, Bench] = {}
+    groups: dict[int, dict[int, list[str]]] = {}
+    context, chunk_context = args.context[0], args.chunk_context[0]
+    for arm in sides.values():
+        if id(arm.runner) not in benches:
+            bench = benches[id(arm.runner)] = Bench(arm.runner)
+            groups[id(arm.runner)] = {n: start_decodes(bench, n, context) for n in args.batches}
 
     def once(name: str, shape: tuple[str, int]) -> float:
-        bench = benches[name]
+        arm = sides[name]
+        arm.switch()
+        bench, key = benches[id(arm.runner)], id(arm.runner)
         if shape[0] == "prefill":
-            return sum(prefill_once(bench, shape[1], 0) for _ in range(steps)) / steps
-        ids = groups[name][shape[1]]
+            return sum(prefill_once(bench, shape[1], chunk_context) for _ in range(steps)) / steps
+        ids = groups[key][shape[1]]
         return sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps)) / steps
 
     shapes = [("decode", n) for n in args.batches] + [("prefill", n) for n in args.chunks]
@@ -448,10 +469,18 @@ def runners_ab(runners: dict[str, ModelRunner], args: argparse.Namespace, rounds
     for kind, n in shapes:
         first, second = times[(a, kind, n)], times[(b, kind, n)]
         out[f"{kind}_{n}"] = {f"{a}_ms": round(median(first) * 1e3, 3), f"{b}_ms": round(median(second) * 1e3, 3),
-                              f"{a}_over_{b}_pair_median": round(median([x / y for x, y in zip(first, second, strict=True)]), 3)}
+                              f"{a}_over_{b}_pair_median": round(_two_round_ratio(first, second), 3)}
+    sides[a].switch()  # the first arm is the runner as it was
     for bench in benches.values():
         bench.finish_all()
     return out
+
+
+def _two_round_ratio(first: list[float], second: list[float]) -> float:
+    """Median over consecutive rounds (2i, 2i + 1), one in each order, of the geometric mean
+    of their first / second ratios."""
+    ratios = [x / y for x, y in zip(first, second, strict=True)]
+    return median([(ratios[i] * ratios[i + 1]) ** 0.5 for i in range(0, len(ratios) - 1, 2)])
 
 
 def activations_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
@@ -468,6 +497,16 @@ def kv_cache_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]
     if mine == "float32":
         return {"skipped": "this runner's KV cache is float32 already"}
     return runners_ab({mine: runner, "float32": build_runner(args, kv_cache_dtype="float32")}, args)
+
+
+def chunk_attention_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
+    """Long prefill chunks through the C++ chunk kernel (the default on the C++ attention)
+    against torch's SDPA, the same runner switched between turns (`runners_ab`)."""
+    if runner.info.attention_backend != "cpu":
+        return {"skipped": f"this runner's attention backend is {runner.info.attention_backend}, not cpu"}
+    ops = torch.ops.stepserve_cpu
+    return runners_ab({"kernel": Arm(runner, lambda: ops.set_chunk_kernel(True)),
+                       "sdpa": Arm(runner, lambda: ops.set_chunk_kernel(False))}, args)
 
 
 def greedy_tokens(runner: ModelRunner, n_prompts: int, length: int, steps: int) -> list[list[int]]:
@@ -517,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-kv-cache", action="store_true",
                         help="also time every decode batch and prefill chunk with this runner's KV cache element type "
                              "(float16 by default on the C++ attention) against a float32 cache, the same way")
+    parser.add_argument("--compare-chunk-attention", action="store_true",
+                        help="also time every decode batch and prefill chunk (after the first --chunk-context) with "
+                             "long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     runner = build_runner(args)
@@ -536,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         report["gguf_activations"] = activations_ab(runner, args)
     if args.compare_kv_cache:
         report["kv_cache"] = kv_cache_ab(runner, args)
+    if args.compare_chunk_attention:
+        report["chunk_attention"] = chunk_attention_ab(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

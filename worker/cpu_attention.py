@@ -2,8 +2,9 @@
 
 The portable torch backend gathers every request's blocks into a padded copy per layer (a
 skewed batch pays its longest context for every request) and loops over prefill chunks in
-Python. The C++ op reads the cache in place, one work item per (query token, kv head), and
-hands long chunks to torch's SDPA (see the source's header).
+Python. The C++ op reads the cache in place: decodes and short chunks one work item per
+(query token, span of keys), long chunks one per (request, kv head, block of query tokens),
+all requests' items in one parallel loop (see the source's header).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import torch
 from worker.attention import AttentionMetadata, KVCacheLayer
 from worker.cpu_kernels import available
 
-# A request with at most this many query tokens attends through the C++ kernel (each token
-# its own work item); longer chunks through SDPA, whose blocked kernel wins there (a
-# 1,024-token prefill measured 19 % faster). SDPA sums in another order than the kernel, so
-# a chunk's output then depends on how the prompt was chunked: batch-invariant mode sends
-# every chunk through the kernel.
+# A request with at most this many query tokens attends through the per-token kernel (each
+# token its own work items); longer chunks through the chunk kernel (32-token blocks of
+# queries against 32-key tiles; float32 queries of head size 64 or 128, else torch's SDPA).
+# The crossover measured 12-17 tokens (bench/RESULTS.md). The chunk kernel sums in another
+# order than the per-token one, so a chunk's output then depends on how the prompt was
+# chunked: batch-invariant mode sends every chunk through the per-token kernel.
 SMALL_QUERY = 16
 ALL_QUERIES = 1 << 62
 _registered: CpuPagedAttention | None = None  # whose caches the op's registry holds

@@ -64,3 +64,34 @@ def _simulate(tmp_path: Path, hardware: str, capsys: pytest.CaptureFixture[str])
                           "--result-json", str(sim_json)]) == 0
     capsys.readouterr()
     return json.loads(sim_json.read_text())["summaries"]["continuous"]
+
+
+def test_worker_step_compares_chunk_attention_on_one_runner(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`--compare-chunk-attention` times both arms on one runner, switching the op before each
+    turn in alternating order, and leaves the chunk kernel on."""
+    import torch
+
+    from worker.cpu_kernels import available
+
+    if not available()[0]:
+        pytest.skip(f"cpu attention unavailable: {available()[1]}")
+    ops = torch.ops.stepserve_cpu
+    real, calls = ops.set_chunk_kernel, []
+
+    def recording(on: bool) -> None:
+        calls.append(on)
+        real(on)
+
+    monkeypatch.setattr(ops, "set_chunk_kernel", recording)
+    bench = _worker_step()
+    assert bench.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1",
+                       "--context", "16", "--chunks", "40", "--chunk-context", "24", "--repeat", "1", "--kv-cache-gib", "1",
+                       "--compare-chunk-attention"]) == 0
+    ab = json.loads(capsys.readouterr().out)["chunk_attention"]
+    assert set(ab) == {"decode_1", "prefill_40"}
+    assert all(v["kernel_ms"] > 0 and v["sdpa_ms"] > 0 for v in ab.values())
+    turns = calls[:-1]  # one switch per timed turn, then the first arm's back on
+    assert len(turns) == 17 * 2 * 2 and turns.count(True) == turns.count(False)
+    assert turns[:4] == [False, True, False, True] and turns[4:8] == [True, False, True, False]
+    assert calls[-1] is True

@@ -112,6 +112,66 @@ def test_decode_kernel_matches_float64_over_spans(heads: int, kv_heads: int, dim
         torch.testing.assert_close(out[r].double(), want, atol=2e-6, rtol=2e-6)
 
 
+def _chunk_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              context: list[int], chunks: list[int]) -> torch.Tensor:
+    """The op over one chunk per request (request r: context[r] cached tokens, then chunks[r]
+    new ones); the chunks' K/V are the cache's values at their slots, so nothing changes."""
+    ops = torch.ops.stepserve_cpu
+    bs, kvh, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs
+                          for r, (c, n) in enumerate(zip(context, chunks, strict=True)) for p in range(c, c + n)])
+    starts = torch.tensor([0, *np.cumsum(chunks)])
+    lens = torch.tensor([c + n for c, n in zip(context, chunks, strict=True)])
+    flat_k, flat_v = k_cache.view(-1, kvh, dim), v_cache.view(-1, kvh, dim)
+    ops.set_kv_cache([k_cache], [v_cache])
+    ops.bind_step(slots, starts, lens, tables, SMALL_QUERY)
+    return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
+
+
+def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                      context: int, n: int) -> torch.Tensor:
+    """float64 attention of one chunk's queries [n, heads, dim] over its request's cache."""
+    group = q.shape[1] // k_cache.shape[2]
+    keys = k_cache[table].flatten(0, 1)[: context + n].double().repeat_interleave(group, dim=1)
+    values = v_cache[table].flatten(0, 1)[: context + n].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,nhd->htn", q.double(), keys) / q.shape[2] ** 0.5
+    future = torch.arange(context + n)[None, :] > (context + torch.arange(n))[:, None]
+    return torch.einsum("htn,nhd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [
+    (9, 3, 64, 16),   # SmolLM2
+    (16, 2, 64, 16),  # 8 heads a kv head
+    (4, 4, 128, 8),   # no grouping, head size 128
+    (8, 2, 128, 3),   # a block size that divides neither a key tile nor a vector
+])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: int, cache_dtype: torch.dtype) -> None:
+    """Long chunks (more than SMALL_QUERY tokens) in one step, with and without cached context,
+    of lengths around the kernel's 32-token items and 32-key tiles, against float64 causal
+    attention over the same cached values; and the same step through SDPA."""
+    gen = torch.Generator().manual_seed(6)
+    context = [0, 0, 5, 300, 33, 0, 31]
+    chunks = [SMALL_QUERY + 1, 64, 40, 97, 256, 31, 33]
+    width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
+    tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
+    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    q = torch.randn(sum(chunks), heads, dim, generator=gen)
+    out = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
+    try:
+        torch.ops.stepserve_cpu.set_chunk_kernel(False)
+        sdpa = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
+    finally:
+        torch.ops.stepserve_cpu.set_chunk_kernel(True)
+    start = 0
+    for r, (c, n) in enumerate(zip(context, chunks, strict=True)):
+        want = _causal_reference(q[start : start + n], k_cache, v_cache, tables[r], c, n)
+        torch.testing.assert_close(out[start : start + n].double(), want, atol=5e-6, rtol=5e-6)
+        start += n
+    torch.testing.assert_close(out, sdpa, atol=5e-6, rtol=5e-6)
+
+
 def test_decode_kernel_output_depends_on_its_request_alone() -> None:
     """A request's output is bitwise the same alone and batched with others of other lengths
     (the spans a context is cut into depend on its length alone)."""
