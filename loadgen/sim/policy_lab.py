@@ -99,7 +99,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
     modes = parse_list(args.preemption_modes, ("recompute", "swap", "auto"), "preemption modes")
     slo = parse_goodput(args.goodput)
     cells = [(t, p, Cell(t.name, p.label, q, v, m)) for t in traces for p in t.points
-             for q in queues for v in victims for m in modes]
+             for q in queues if t.queues is None or q in t.queues
+             for v in victims if t.victims is None or v in t.victims for m in modes]
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[ServicePoint]] = {}
     for trace, point, cell in tqdm(cells, disable=args.disable_tqdm, unit="run", desc="compare-policies"):

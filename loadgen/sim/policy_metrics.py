@@ -1,7 +1,8 @@
 """The numbers `compare-policies` reports for one simulated run.
 
 - goodput: requests per second that met every SLO (vLLM's `--goodput`: TTFT and TPOT
-  here, each request judged on its own), over the run's duration;
+  here, each request judged on its own), over the run's duration; attainment: the share of
+  requests that met it;
 - the shortest quartile: the quarter of requests with the least work (prompt + output
   tokens); its p50 and p99 end-to-end latency;
 - longest wait: the most any request waited from arrival to its first scheduled step;
@@ -101,6 +102,9 @@ def policy_row(result: SimResult, config: SchedulerConfig, slo: dict[str, float]
     row: dict[str, Any] = {
         "goodput": summary["request_goodput"],
         "throughput": summary["request_throughput"],
+        # the share of finished requests that met the SLO: goodput can rise by 1 / this at most
+        "attainment": (summary["request_goodput"] / summary["request_throughput"]
+                       if summary["request_goodput"] is not None and summary["request_throughput"] else None),
         "short_p50_ms": _pct(short, 50),
         "short_p99_ms": _pct(short, 99),
         "p99_e2el_ms": summary["p99_e2el_ms"],

@@ -10,6 +10,10 @@
   about 9, 38, 151 and 602 tokens (extraction, short answers, chat, long-form). Arrivals
   are Poisson at a fixed rate, 90% of the capacity at the largest spread, so a queue forms
   and its order matters, while no point is overloaded; prompts are uniform 32-512 tokens whatever the app.
+- `variance-load`: the largest spread again, at offered loads from 0.8x to 1.4x of that
+  capacity, FCFS and SJF (learned) only: where the order starts to matter for goodput. Below
+  capacity a request rarely waits long, so FCFS already meets the SLO for nearly every
+  request and no order can raise goodput much; past it, FCFS's queue delays everyone.
 - `tenant-flood`: two tenants with the same length mix, "flood" sending 4x "steady"'s rate,
   together 3x what the server can serve, so both stay backlogged: the fair share question.
 
@@ -36,7 +40,9 @@ SPREADS = ("1", "2", "3", "4")
 NUM_APPS = 4
 # Rates from the server's capacity for each mix: what FCFS serves (llama-3.1-8b on an
 # a100-80g, 1024 KV blocks) with every request queued at once.
-VARIANCE_RATE = 9.0  # req/s: 90% of the 9.9 req/s served at spread 4, so every point is stable
+VARIANCE_RATE = 9.0  # req/s: 90% of VARIANCE_CAPACITY, so every point is stable
+VARIANCE_CAPACITY = 9.9  # req/s FCFS serves at spread 4 with every request queued at once
+LOAD_FACTORS = ("0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4")
 FLOOD_STEADY_RATE = 12.0  # req/s; flood sends 48: 60 in all, 3x the 20.5 req/s served
 
 
@@ -56,6 +62,8 @@ class Trace:
     about: str
     points: list[TracePoint] = field(default_factory=list)
     record_service: bool = False  # fairness metrics need per-step service
+    queues: tuple[str, ...] | None = None  # the queue policies it runs (None: all)
+    victims: tuple[str, ...] | None = None  # the victim policies it runs (None: all)
 
 
 def base_args(argv: list[str] | None = None, **defaults: Any) -> argparse.Namespace:
@@ -117,6 +125,18 @@ def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
     return trace
 
 
+def load_trace(scale: float) -> Trace:
+    """Spread 4 at each of LOAD_FACTORS x its capacity: the same requests, arriving faster."""
+    n = _scaled(1200, scale)
+    trace = Trace("variance-load", "load", f"spread 4 at offered loads relative to its {VARIANCE_CAPACITY} req/s capacity",
+                  queues=("fcfs", "sjf"), victims=("newest",))
+    for factor in LOAD_FACTORS:
+        rate = float(factor) * VARIANCE_CAPACITY
+        args = base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
+        trace.points.append(TracePoint(factor, args, variance_workload(n, 4.0, rate, 0)))
+    return trace
+
+
 def flood_workload(n: int, steady_rate: float, seed: int) -> list[WorkloadRequest]:
     """n requests: a fifth from "steady" at `steady_rate`, the rest from "flood" at 4x."""
     lengths = np.random.default_rng([seed, 1])
@@ -139,12 +159,14 @@ def flood_trace(scale: float) -> Trace:
     return trace
 
 
-TRACES = ("token-budget", "kv-capacity", "length-variance", "tenant-flood")
+TRACES = ("token-budget", "kv-capacity", "length-variance", "variance-load", "tenant-flood")
 
 
 def build_trace(name: str, scale: float = 1.0, variance_rate: float = VARIANCE_RATE) -> Trace:
     if name == "length-variance":
         return variance_trace(scale, variance_rate)
+    if name == "variance-load":
+        return load_trace(scale)
     if name == "tenant-flood":
         return flood_trace(scale)
     if name in PRESETS:

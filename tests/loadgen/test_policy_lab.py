@@ -13,7 +13,13 @@ from loadgen.report import RequestRecord
 from loadgen.sim.cli import main as simulate
 from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
 from loadgen.sim.policy_metrics import aging_margin, backlogged_windows, fairness, shortest_quartile
-from loadgen.sim.policy_traces import app_means, flood_workload, variance_workload
+from loadgen.sim.policy_traces import (
+    VARIANCE_CAPACITY,
+    app_means,
+    flood_workload,
+    load_trace,
+    variance_workload,
+)
 from loadgen.sim.result import RequestStat, ServicePoint
 from loadgen.sim.simulator import Simulator
 from loadgen.workloads import WorkloadRequest
@@ -68,6 +74,16 @@ def test_variance_trace_keeps_the_mean_and_declares_a_bound() -> None:
     assert sum(w.user == "flood" for w in flood) == 4 * sum(w.user == "steady" for w in flood)
 
 
+def test_load_trace_sends_the_same_requests_faster() -> None:
+    trace = load_trace(0.05)
+    assert trace.queues == ("fcfs", "sjf") and trace.victims == ("newest",)
+    rates = [p.args.request_rate for p in trace.points]
+    assert rates == sorted(rates) and rates[2] == pytest.approx(VARIANCE_CAPACITY)
+    first, last = trace.points[0].workload, trace.points[-1].workload
+    assert [(w.prompt_len, w.output_len, w.user) for w in first] == [(w.prompt_len, w.output_len, w.user) for w in last]
+    assert last[-1].arrival_time < first[-1].arrival_time
+
+
 def test_simulator_stops_by_eos_before_a_declared_bound_and_keeps_tenants() -> None:
     cm = CostModel(get_model_shape("llama-3.1-8b"), get_hardware("a100"), 16)
     wl = [WorkloadRequest(f"r{i}", 0.1 * i, 20, 5 + i, user=f"u{i % 2}", max_tokens=100) for i in range(6)]
@@ -85,13 +101,19 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     assert code == 0
     data = json.loads((tmp_path / "policies.json").read_text())
     rows = data["rows"]
-    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2
+    # variance-load runs fcfs and sjf with victim newest only, at each of its 7 loads
+    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2 + 7 * 2
+    load = [r for r in rows if r["trace"] == "variance-load"]
+    assert {(r["queue"], r["victim"]) for r in load} == {("fcfs", "newest"), ("sjf", "newest")}
+    assert [r["point"] for r in load if r["queue"] == "fcfs"] == ["0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4"]
+    assert all(0.0 <= r["attainment"] <= 1.0 for r in rows)
     flood = [r for r in rows if r["trace"] == "tenant-flood"]
     assert all("jain" in r and "vtc_bound" in r for r in flood)
     assert all(r["aging_margin_s"] <= 1e-9 for r in rows if r["queue"] == "sjf")
     report = (tmp_path / "policies.md").read_text()
     assert "SJF (learned) vs FCFS" in report and "Recomputed tokens per victim policy" in report
+    assert "over FCFS goodput by offered load" in report and "## variance-load" in report
     assert "## kv-capacity" in report and "## tenant-flood" in report
     pngs = {p.name for p in tmp_path.glob("*.png")}
-    assert pngs == {"token-budget.png", "kv-capacity.png", "length-variance.png", "tenant-flood.png"}
+    assert pngs == {"token-budget.png", "kv-capacity.png", "length-variance.png", "variance-load.png", "tenant-flood.png"}
     assert simulate(["compare-policies", "--traces", "nope", "--no-plots", "--out-dir", str(tmp_path)]) == 2
