@@ -8,7 +8,7 @@
 //      heads, in parallel, the spans' partial results merged after;
 //   3. the longer chunks of float32 queries of head size 64 or 128 attend in place too:
 //      one work item per (request, kv head, 32 query tokens), flash attention over 32-key
-//      tiles with the query rows in vector lanes (attend_chunks; 2-2.7x faster than SDPA
+//      tiles with the query rows in vector lanes (attend_chunks; 1.6-2.8x faster than SDPA
 //      at 128-1,024 tokens, bench/RESULTS.md); any other chunk runs torch's SDPA over the
 //      fresh K/V when nothing was cached before it, else over its blocks gathered once.
 //
