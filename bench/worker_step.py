@@ -431,13 +431,15 @@ class Arm:
     switch: Callable[[], None] = lambda: None
 
 
-def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, rounds: int = 16, steps: int = 3) -> dict[str, Any]:
+def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, steps: int = 3) -> dict[str, Any]:
     """Two arms in one process, alternating which goes first each round so both share the
     machine's drift: every decode batch (at the first --context) and prefill chunk (after the
     first --chunk-context), `steps` steps a round; medians, and the median over each two
     rounds (one in either order) of the geometric mean of their ratios (first over second).
-    The arm that goes first follows the other shapes' steps, which can cost it (a decode right
-    after a long prefill measured up to 1.6x slower): one order's ratios alone are biased."""
+    The arm that goes first follows the other shapes' steps, which can cost it (decode steps
+    right after a 1,024-token prefill measured up to 1.5x slower than later ones): one
+    order's ratios alone are biased."""
+    rounds = args.ab_rounds
     sides = {name: arm if isinstance(arm, Arm) else Arm(arm) for name, arm in arms.items()}
     (a, _), (b, _) = sides.items()
     benches: dict[int, Bench] = {}
@@ -556,10 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-kv-cache", action="store_true",
                         help="also time every decode batch and prefill chunk with this runner's KV cache element type "
                              "(float16 by default on the C++ attention) against a float32 cache, the same way")
+    parser.add_argument("--ab-rounds", type=int, default=16,
+                        help="timed rounds of every --compare-* A/B, an even number (half in each order)")
     parser.add_argument("--compare-chunk-attention", action="store_true",
                         help="also time every decode batch and prefill chunk (after the first --chunk-context) with "
                              "long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way")
     args = parser.parse_args(argv)
+    if args.ab_rounds < 2 or args.ab_rounds % 2:
+        parser.error(f"--ab-rounds must be an even number >= 2, got {args.ab_rounds}")
     torch.manual_seed(0)
     runner = build_runner(args)
     # fp32 always (the reference roof); bf16 when it is used or compared: on a CPU without
