@@ -379,7 +379,7 @@ struct ChunkScratch {
 };
 
 struct ChunkItem {
-  int64_t req, head, t0;  // kv head, first query token of the request's chunk (0-based)
+  int64_t req, head, t0;  // request index, kv head, first query token within its chunk
   int64_t cost;           // keys x rows, to hand out the largest items first
 };
 
@@ -586,6 +586,17 @@ at::Tensor attend_long(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return o.squeeze(0).transpose(0, 1);
 }
 
+// f(C{}) with C the cache's element type: float, at::BFloat16 or at::Half.
+template <typename F>
+void with_cache_type(const at::Tensor& cache, F&& f) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    case at::kHalf: return f(at::Half{});
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+  }
+}
+
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc) {
   const auto slots = g_state.slot_mapping;
   kc.view({-1, kc.size(2), kc.size(3)}).index_copy_(0, slots, k.to(kc.scalar_type()));
@@ -637,44 +648,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       token_len.push_back(lens[r] - n + i + 1);
     }
   }
-  if (!chunks.empty()) {
-    TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kHalf,
-                "KV cache must be float32, bfloat16 or float16");
-    const float scale = 1.f / std::sqrt(static_cast<float>(d));
-    auto run = [&](auto cache_type) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  if (!chunks.empty())
+    with_cache_type(kc, [&](auto cache_type) {
       using C = decltype(cache_type);
       if (d == 64)
         attend_chunks<C, 64>(qc, out, kc, vc, chunks, scale);
       else
         attend_chunks<C, 128>(qc, out, kc, vc, chunks, scale);
-    };
-    if (kc.scalar_type() == at::kFloat)
-      run(float{});
-    else if (kc.scalar_type() == at::kBFloat16)
-      run(at::BFloat16{});
-    else
-      run(at::Half{});
-  }
+    });
   if (!tokens.empty()) {
-    const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-    const auto cache = kc.scalar_type();
     const bool q_bf16 = qc.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf,
-                "KV cache must be float32, bfloat16 or float16");
     TORCH_CHECK(q_bf16 || qc.scalar_type() == at::kFloat, "queries must be float32 or bfloat16");
-    auto run = [&](auto cache_type) {
+    with_cache_type(kc, [&](auto cache_type) {
       using C = decltype(cache_type);
       if (q_bf16)
         attend_short<C, at::BFloat16>(qc, out, kc, vc, tokens, token_req, token_len, scale);
       else
         attend_short<C, float>(qc, out, kc, vc, tokens, token_req, token_len, scale);
-    };
-    if (cache == at::kFloat)
-      run(float{});
-    else if (cache == at::kBFloat16)
-      run(at::BFloat16{});
-    else
-      run(at::Half{});
+    });
   }
   return out;
 }
