@@ -442,21 +442,21 @@ def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, ste
     rounds = args.ab_rounds
     sides = {name: arm if isinstance(arm, Arm) else Arm(arm) for name, arm in arms.items()}
     (a, _), (b, _) = sides.items()
-    benches: dict[int, Bench] = {}
-    groups: dict[int, dict[int, list[str]]] = {}
     context, chunk_context = args.context[0], args.chunk_context[0]
+    # per runner (arms sharing one share its bench): the bench and its decode batches
+    benches: dict[int, tuple[Bench, dict[int, list[str]]]] = {}
     for arm in sides.values():
         if id(arm.runner) not in benches:
-            bench = benches[id(arm.runner)] = Bench(arm.runner)
-            groups[id(arm.runner)] = {n: start_decodes(bench, n, context) for n in args.batches}
+            bench = Bench(arm.runner)
+            benches[id(arm.runner)] = bench, {n: start_decodes(bench, n, context) for n in args.batches}
 
     def once(name: str, shape: tuple[str, int]) -> float:
         arm = sides[name]
         arm.switch()
-        bench, key = benches[id(arm.runner)], id(arm.runner)
+        bench, groups = benches[id(arm.runner)]
         if shape[0] == "prefill":
             return sum(prefill_once(bench, shape[1], chunk_context) for _ in range(steps)) / steps
-        ids = groups[key][shape[1]]
+        ids = groups[shape[1]]
         return sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps)) / steps
 
     shapes = [("decode", n) for n in args.batches] + [("prefill", n) for n in args.chunks]
@@ -473,7 +473,7 @@ def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, ste
         out[f"{kind}_{n}"] = {f"{a}_ms": round(median(first) * 1e3, 3), f"{b}_ms": round(median(second) * 1e3, 3),
                               f"{a}_over_{b}_pair_median": round(_two_round_ratio(first, second), 3)}
     sides[a].switch()  # the first arm is the runner as it was
-    for bench in benches.values():
+    for bench, _ in benches.values():
         bench.finish_all()
     return out
 

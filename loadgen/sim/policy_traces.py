@@ -114,10 +114,14 @@ def variance_workload(n: int, spread: float, rate: float, seed: int) -> list[Wor
     return out
 
 
+def _variance_args(n: int, rate: float) -> argparse.Namespace:
+    """The run flags of a length-variance workload of n requests at `rate`."""
+    return base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
+
+
 def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
     n = _scaled(1200, scale)
-    args = base_args(num_prompts=n, request_rate=rate,
-                     max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
+    args = _variance_args(n, rate)
     trace = Trace("length-variance", "spread", "output length variance across four apps; the mean stays "
                   f"{MEAN_OUTPUT} tokens")
     for spread in SPREADS:
@@ -132,8 +136,7 @@ def load_trace(scale: float) -> Trace:
                   queues=("fcfs", "sjf"), victims=("newest",))
     for factor in LOAD_FACTORS:
         rate = float(factor) * VARIANCE_CAPACITY
-        args = base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
-        trace.points.append(TracePoint(factor, args, variance_workload(n, 4.0, rate, 0)))
+        trace.points.append(TracePoint(factor, _variance_args(n, rate), variance_workload(n, 4.0, rate, 0)))
     return trace
 
 
