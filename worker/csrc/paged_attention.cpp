@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -308,11 +310,18 @@ void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
   TORCH_CHECK(kSpan % bs == 0, "block size must divide ", kSpan);
   const auto* tables = g_state.block_tables.data_ptr<int64_t>();
   const int64_t table_width = g_state.block_tables.size(1);
-  std::vector<int64_t> first_item(n + 1, 0);  // token i's spans: items [first_item[i], first_item[i + 1])
+  // kept across calls (a decode step makes one call a layer; their allocations showed)
+  // (references: inside the parallel loop's lambda a thread_local name is the running thread's own)
+  thread_local std::vector<int64_t> first_item_buf, item_token_buf;
+  thread_local std::vector<float> partials_buf;
+  auto& first_item = first_item_buf;  // token i's spans: items [first_item[i], first_item[i + 1])
+  auto& item_token = item_token_buf;
+  auto& partials = partials_buf;
+  first_item.assign(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) first_item[i + 1] = first_item[i] + (token_len[i] + kSpan - 1) / kSpan;
   const int64_t items = first_item[n], per_item = heads * (D + 2);
-  std::vector<float> partials(items * per_item);
-  std::vector<int64_t> item_token(items);
+  partials.resize(items * per_item);  // every element is written before it is read
+  item_token.resize(items);
   for (int64_t i = 0; i < n; ++i) std::fill(item_token.begin() + first_item[i], item_token.begin() + first_item[i + 1], i);
   const C* k_ptr = kc.data_ptr<C>();
   const C* v_ptr = vc.data_ptr<C>();
@@ -597,10 +606,49 @@ void with_cache_type(const at::Tensor& cache, F&& f) {
   }
 }
 
+// Rows [T, width] of `src` (row stride `stride`: k and v are views into the fused qkv
+// product) into the cache rows `slots`, converted to the cache's type on the way.
+template <typename S, typename C>
+void copy_rows(const S* src, int64_t stride, C* dst, const int64_t* slots, int64_t T, int64_t width) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if constexpr (std::is_same_v<S, C>)
+        std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(C));
+      else
+        at::vec::convert(src + t * stride, dst + slots[t] * width, width);
+    }
+  };
+  at::parallel_for(0, T, 256, rows);  // a decode batch's few rows on the calling thread
+}
+
+// This step's K/V [T, kv_heads, D] into the layer's cache at slot_mapping. A direct copy:
+// index_copy_ over a converted temporary measured ~5 us a layer of dispatch and allocation
+// for one decode token, more than that token's attention.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc) {
-  const auto slots = g_state.slot_mapping;
-  kc.view({-1, kc.size(2), kc.size(3)}).index_copy_(0, slots, k.to(kc.scalar_type()));
-  vc.view({-1, vc.size(2), vc.size(3)}).index_copy_(0, slots, v.to(vc.scalar_type()));
+  const auto& slots = g_state.slot_mapping;
+  const int64_t T = k.size(0), width = kc.size(2) * kc.size(3), capacity = kc.size(0) * kc.size(1);
+  TORCH_CHECK(slots.size(0) == T && v.size(0) == T, "slot_mapping has ", slots.size(0), " slots for ", T, " tokens");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= sp[t] && sp[t] < capacity, "slot ", sp[t], " outside the cache");
+  for (auto [src, cache] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &kc}, {&v, &vc}}) {
+    // rows of kv_heads * D contiguous values, at any row stride
+    const bool rows_dense = src->dim() == 3 && src->stride(2) == 1 && src->stride(1) == src->size(2);
+    const at::Tensor rows = rows_dense ? *src : src->contiguous();
+    TORCH_CHECK(rows.size(1) * rows.size(2) == width, "K/V rows do not match the cache's kv_heads * head_dim");
+    with_cache_type(*cache, [&](auto cache_type) {
+      using C = decltype(cache_type);
+      C* dst = cache->data_ptr<C>();
+      if (rows.scalar_type() == at::kFloat)
+        copy_rows(rows.data_ptr<float>(), rows.stride(0), dst, sp, T, width);
+      else if (rows.scalar_type() == at::kBFloat16)
+        copy_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), dst, sp, T, width);
+      else if (rows.scalar_type() == at::kHalf)
+        copy_rows(rows.data_ptr<at::Half>(), rows.stride(0), dst, sp, T, width);
+      else
+        TORCH_CHECK(false, "K/V must be float32, bfloat16 or float16, got ", rows.scalar_type());
+    });
+  }
 }
 
 }  // namespace
@@ -632,7 +680,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t num_reqs = g_state.seq_lens.size(0);
   const int64_t d = qc.size(2);
   const bool chunk_kernel = g_state.chunk_kernel && qc.scalar_type() == at::kFloat && (d == 64 || d == 128);
-  std::vector<int64_t> tokens, token_req, token_len, chunks;
+  thread_local std::vector<int64_t> tokens_buf, token_req_buf, token_len_buf, chunks_buf;
+  auto& tokens = tokens_buf;  // references: see attend_spans
+  auto& token_req = token_req_buf;
+  auto& token_len = token_len_buf;
+  auto& chunks = chunks_buf;
+  tokens.clear();
+  token_req.clear();
+  token_len.clear();
+  chunks.clear();
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t start = qsl[r], end = qsl[r + 1], n = end - start;
     if (n > g_state.small_query) {
