@@ -21,6 +21,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.step_cost import StepCostFn
 from service.app import create_app
 from service.cli_args import build_parser, kv_cache_bytes, policy_fields
+from service.cpu_policy import apply_engine_policy
 from service.engine import AsyncEngine
 from service.metrics import ServiceMetrics
 from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState, Status
@@ -139,6 +140,8 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
                  f"{sched_config.step_time_target * 1e3:g} ms" if sched_config.step_time_target else "no time target",
                  info.copy_bandwidth / 1e9)
         freeze_startup_heap()
+        # after the worker started (it would inherit the policy, though it resets its own)
+        log.info("%s", apply_engine_policy(a["engine_sched_policy"]))
         return LoadedEngine(engine, name, sched_config.max_model_len, info.vocab_size, info.model_path)
 
     return build

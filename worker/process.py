@@ -94,10 +94,22 @@ def _setup_process(config: WorkerConfig) -> None:
         level=logging.INFO,
         format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    _normal_scheduling()
     if config.num_threads is not None:
         import torch
 
         torch.set_num_threads(config.num_threads)
+
+
+def _normal_scheduling() -> None:
+    """SCHED_OTHER for this process and the threads it starts: the engine may run under
+    SCHED_BATCH (service.cpu_policy), and a child inherits its parent's policy; the compute
+    threads must keep preempting on wake-up."""
+    if hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) != os.SCHED_OTHER:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError as exc:
+            logger.warning("could not set the worker back to SCHED_OTHER: %s", exc)
 
 
 def _start_inbox(conn: Connection) -> queue.SimpleQueue[Message]:

@@ -1,0 +1,102 @@
+"""The server process's CPU scheduling policy (`--engine-sched-policy`, service.cpu_policy):
+SCHED_BATCH on every engine thread by default, SCHED_OTHER in the worker process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.cli_args import build_parser
+from service.cpu_policy import apply_engine_policy
+
+REPO = Path(__file__).resolve().parents[2]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
+
+
+def _thread_policies(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out.append(os.sched_getscheduler(int(tid)))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+                out.append(int(entry))
+    return out
+
+
+def _run(code: str) -> str:
+    """`code` in a fresh interpreter (the policy must not leak into the test process)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@linux_only
+def test_batch_reaches_every_thread_and_normal_restores_it() -> None:
+    out = _run("""
+        import os, threading
+        from service.cpu_policy import apply_engine_policy
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()  # a thread started before
+        def policies():
+            return sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+        print(apply_engine_policy("batch"))
+        print(policies() == [os.SCHED_BATCH])
+        later = []
+        t = threading.Thread(target=lambda: later.append(os.sched_getscheduler(0)))  # a thread started after
+        t.start(); t.join()
+        print(later == [os.SCHED_BATCH])
+        print(apply_engine_policy("normal"))
+        print(policies() == [os.SCHED_OTHER])
+    """)
+    assert out.splitlines() == ["engine scheduling policy batch (SCHED_BATCH)", "True", "True",
+                                "engine scheduling policy normal (SCHED_OTHER)", "True"]
+
+
+@linux_only
+def test_a_worker_process_sets_itself_back_to_sched_other() -> None:
+    out = _run("""
+        import os
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # as inherited from the engine
+        from worker.process import _normal_scheduling
+        _normal_scheduling()
+        print(os.sched_getscheduler(0) == os.SCHED_OTHER)
+    """)
+    assert out == "True"
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="batch"):
+        apply_engine_policy("fifo")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--engine-sched-policy", "fifo"])
+    assert build_parser().parse_args([]).engine_sched_policy == "batch"
+
+
+@linux_only
+def test_live_server_runs_sched_batch_and_its_worker_sched_other(live_server: Any) -> None:
+    server_pid = live_server.process.pid
+    assert set(_thread_policies(server_pid)) == {os.SCHED_BATCH}
+    workers = [pid for pid in _children(server_pid) if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert workers, "no worker process under the server"
+    for pid in workers:
+        assert set(_thread_policies(pid)) == {os.SCHED_OTHER}
+    assert "engine scheduling policy batch (SCHED_BATCH)" in live_server.log_path.read_text(errors="replace")
