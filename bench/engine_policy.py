@@ -17,36 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.servers import free_port, load, running, stepserve_cmd  # noqa: E402
+from bench.servers import free_port, load, running, step_histogram, stepserve_cmd  # noqa: E402
 from bench.vs_llamacpp import KEYS, SCENARIOS, cpu_info  # noqa: E402
 
 POLICIES = ("normal", "batch")
-_HISTOGRAMS = {"execute_ms": "model_execute_time_seconds", "step_ms": "step_duration_seconds"}
-# figure -> higher is better
-FIGURES = {"median_tpot_ms": False, "median_itl_ms": False, "p99_itl_ms": False, "median_ttft_ms": False,
-           "total_token_throughput": True, "execute_ms": False, "step_ms": False, "engine_gap_ms": False}
-
-
-def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the step histograms in `/metrics`."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    out = {}
-    for name, metric in _HISTOGRAMS.items():
-        found = [re.search(rf"^\S*{metric}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M) for part in ("sum", "count")]
-        if all(found):
-            out[name] = (float(found[0].group(1)), float(found[1].group(1)))  # type: ignore[union-attr]
-    return out
+FIGURES = ("median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "total_token_throughput", "execute_ms",
+           "step_ms", "engine_gap_ms")
 
 
 def run_server(policy: str, threads: int, scenarios: list[str], tmp: Path, tag: str) -> dict[str, Any]:
@@ -57,15 +41,14 @@ def run_server(policy: str, threads: int, scenarios: list[str], tmp: Path, tag: 
         load(url, ["--num-prompts", "2", "--prompt-len", "32", "--output-len", "32", "--max-concurrency", "1",
                    "--request-rate", "inf"], tmp / f"{tag}-warm.json", ("completed",))
         for scenario in scenarios:
-            before = histogram_sums(url)
+            before = step_histogram(url)
             seed = str(1 + list(SCENARIOS).index(scenario))
             summary = load(url, [*SCENARIOS[scenario], "--seed", seed], tmp / f"{tag}-{scenario}.json", KEYS)
-            after = histogram_sums(url)
-            for name, (total, count) in after.items():
-                t0, c0 = before.get(name, (0.0, 0.0))
-                summary[name] = round(1e3 * (total - t0) / max(count - c0, 1), 3)
-            if "execute_ms" in summary and "step_ms" in summary:
-                summary["engine_gap_ms"] = round(summary["step_ms"] - summary["execute_ms"], 3)
+            (count, step, execute), (c0, s0, e0) = step_histogram(url), before
+            steps = max(count - c0, 1)
+            summary["step_ms"] = round(1e3 * (step - s0) / steps, 3)
+            summary["execute_ms"] = round(1e3 * (execute - e0) / steps, 3)
+            summary["engine_gap_ms"] = round(summary["step_ms"] - summary["execute_ms"], 3)
             out[scenario] = summary
     return out
 

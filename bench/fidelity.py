@@ -27,12 +27,10 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.servers import free_port, wait_healthy  # noqa: E402
+from bench.servers import free_port, step_histogram, wait_healthy  # noqa: E402
 
 KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms",
         "num_busy_steps", "mean_step_ms")
@@ -92,10 +90,10 @@ def main(argv: list[str] | None = None) -> None:
             num_blocks = int(json.load(r)["num_gpu_blocks"])
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
             out = tmp / f"measured-{rate}.json"
-            before = _step_histogram(url)
+            before = step_histogram(url)
             _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
                   *_workload(args, rate)])
-            after = _step_histogram(url)
+            after = step_histogram(url)
             measured[rate] = json.loads(out.read_text())
             steps = after[0] - before[0]
             per_step = 1e3 / steps if steps else 0.0
@@ -122,16 +120,6 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"benchmark": "fidelity", "workload": _workload(args, None), "scheduler": sched,
                       "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
                       "runs": runs}, indent=2))
-
-
-def _step_histogram(url: str) -> tuple[float, float, float]:
-    """(count, sum in seconds) of the server's step-duration histogram, and the sum of the
-    worker's own execute times over the same steps."""
-    with urllib.request.urlopen(f"{url}/metrics") as r:
-        text = r.read().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    return (values["stepserve:step_duration_seconds_count"], values["stepserve:step_duration_seconds_sum"],
-            values["stepserve:model_execute_time_seconds_sum"])
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:

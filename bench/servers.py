@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_DEFAULT = Path.home() / ".cache/stepserve-bench/build/bin/llama-server"
 BUILD_HINT = "build it with: bash ../shared/tools/build-llama-server.sh (it prints the binary's path)"
@@ -38,6 +40,16 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) 
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} did not become healthy")
+
+
+def step_histogram(url: str) -> tuple[float, float, float]:
+    """(count, sum in seconds) of a stepserve server's step-duration histogram, and the sum
+    of the worker's own execute times over the same steps (`/metrics`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return (values["stepserve:step_duration_seconds_count"], values["stepserve:step_duration_seconds_sum"],
+            values["stepserve:model_execute_time_seconds_sum"])
 
 
 def llama_server_binary(given: str | None) -> Path | None:

@@ -46,9 +46,10 @@ def apply_engine_policy(name: str) -> str:
     for tid in _thread_ids():
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except (ProcessLookupError, PermissionError, OSError) as exc:  # a thread that just ended; a sandbox
-            if not isinstance(exc, ProcessLookupError):
-                failed.append(f"{tid}: {exc}")
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as exc:  # refused (a sandbox's seccomp)
+            failed.append(f"{tid}: {exc}")
     if failed:
         return f"engine scheduling policy {name}: not set on {len(failed)} thread(s) ({failed[0]})"
     return f"engine scheduling policy {name} ({'SCHED_BATCH' if name == 'batch' else 'SCHED_OTHER'})"
