@@ -6,10 +6,15 @@ fixed budgets run with `--max-step-ms 0`, time targets with the default token bu
 Optionally the same workload goes to llama.cpp's `llama-server` on the same GGUF file.
 Prints JSON: per configuration total throughput, TTFT p50/p99 and ITL p50/p99, and the
 ratios the issue asks about (each target against the best fixed budget, and against
-llama-server when it ran).
+llama-server when it ran). With `--rounds N` every configuration runs N times, the order
+reversed every other round (a shared machine drifts within minutes: one pass in order puts
+the last configurations in whatever stretch the machine is in by then); each figure is then
+the median over rounds, each ratio the median of the rounds' own ratios, and every round's
+results are kept under "rounds".
 
     python bench/step_budget.py                               # the full run (quiet machine)
     python bench/step_budget.py --num-prompts 4 --output-len 8 --budgets 256 --targets default
+    python bench/step_budget.py --budgets 256 512 --targets 100 default --rounds 3
     python bench/step_budget.py --llama-server auto           # also llama-server (build it first:
                                                               #   bash /work/shared/tools/build-llama-server.sh)
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -92,6 +98,35 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def median_results(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, each figure's median over the rounds (None where no round has it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, first in rounds[0].items():
+        merged: dict[str, Any] = {"flags": first["flags"]} if "flags" in first else {}
+        for key in KEYS:
+            values = [r[name][key] for r in rounds if r[name].get(key) is not None]
+            merged[key] = statistics.median(values) if values else None
+        out[name] = merged
+    return out
+
+
+def median_ratios(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' ratios merged: numbers by their median, flags by how many rounds hold them,
+    the best fixed budget as each round's pick."""
+    def merge(values: list[Any]) -> Any:
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        if isinstance(present[0], dict):
+            return {k: merge([v.get(k) for v in present]) for k in present[0]}
+        if isinstance(present[0], bool):
+            return f"{sum(present)} of {len(present)} rounds"
+        if isinstance(present[0], (int, float)):
+            return statistics.median(present)
+        return present if len(set(present)) > 1 else present[0]
+    return merge(per_round)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=48)
@@ -104,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="worker (and llama-server) threads; default all cores but one, for the load client")
     ap.add_argument("--llama-server", default=None, help="path to llama-server, or 'auto' for the build script's")
     ap.add_argument("--llama-ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, the order reversed "
+                    "every other round; report medians (the machine drifts between configurations)")
     args = ap.parse_args(argv)
     binary = None
     if args.llama_server is not None:
@@ -112,13 +149,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench/step_budget.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-step-budget-"))
-    results: dict[str, dict[str, Any]] = {}
-    for name, flags in _configs(args):
-        results[name] = {"flags": flags, **run_stepserve(args, flags, tmp / f"{name}.json")}
+    runs: list[tuple[str, list[str] | None]] = list(_configs(args))
     if binary is not None:
-        results["llama-server"] = run_llama_server(args, binary, tmp / "llama-server.json")
+        runs.append(("llama-server", None))
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(max(1, args.rounds)):
+        done: dict[str, dict[str, Any]] = {}
+        for name, flags in runs if r % 2 == 0 else runs[::-1]:
+            out = tmp / f"{name}-{r}.json"
+            done[name] = (run_llama_server(args, binary, out) if flags is None and binary is not None
+                          else {"flags": flags, **run_stepserve(args, flags or [], out)})
+        rounds.append({name: done[name] for name, _ in runs})
+    results = median_results(rounds) if len(rounds) > 1 else rounds[0]
+    per_round = [ratios(r) for r in rounds]
     print(json.dumps({"benchmark": "step_budget", "workload": _workload(args), "threads": args.threads,
-                      "results": results, "ratios": ratios(results)}, indent=2))
+                      "rounds": len(rounds), "results": results,
+                      "ratios": median_ratios(per_round) if len(rounds) > 1 else per_round[0],
+                      **({"per_round": [{"results": r, "ratios": q} for r, q in zip(rounds, per_round, strict=True)]}
+                         if len(rounds) > 1 else {})}, indent=2))
     return 0
 
 
