@@ -115,6 +115,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "built at first start-up where a compiler is found, else the portable torch path)")
     g.add_argument("--seed", type=int, default=0, help="worker's base random seed (default %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="worker threads on CPU (default: see README, Threads)")
+    g.add_argument("--worker-helper-policy", choices=("normal", "idle"), default="normal",
+                   help="scheduling policy of the worker's intra-op helper threads (Linux). idle: SCHED_IDLE, so the "
+                        "engine woken by an output runs on a helper's core at once instead of at the next kernel tick "
+                        "(smoother one-stream token gaps); only on a machine the server has to itself, since a busy "
+                        "neighbour starves an idle-policy helper and every step waits for it (README, Threads)")
     g.add_argument("--worker-runner", default="worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
 
 

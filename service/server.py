@@ -54,6 +54,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=a["attention_backend"],
         seed=a["seed"],
         num_threads=a["num_threads"],
+        helper_policy=a["worker_helper_policy"],
     )
 
 

@@ -38,6 +38,7 @@ class WorkerConfig:
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores; README, Threads)
+    helper_policy: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle (worker.thread_policy)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -72,6 +73,8 @@ class WorkerConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.helper_policy not in ("normal", "idle"):
+            raise ValueError(f"helper_policy must be normal or idle, got {self.helper_policy!r}")
 
 
 @dataclass(frozen=True)

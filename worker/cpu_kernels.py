@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "lowbit_linear.cpp", "int8_linear.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("paged_attention.cpp", "lowbit_linear.cpp", "int8_linear.cpp", "pool_threads.cpp")]
 # ATen's vector types (at::vec) per capability: the CPU flags each needs, and the compiler flags
 _CAPABILITIES = (
     ("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),

@@ -83,6 +83,10 @@ def worker_main(
     inbox = _start_inbox(conn)  # started first: it watches the parent during a long load
     runner = _build_runner(conn, config, runner_factory)
     if runner is not None:
+        if config.helper_policy != "normal":  # after start-up: the warm-up has started the pool
+            from worker.thread_policy import apply_helper_policy
+
+            logger.info("%s", apply_helper_policy(config.helper_policy))
         _serve(conn, runner, inbox)
     logger.info("worker exiting")
 

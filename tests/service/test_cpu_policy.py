@@ -100,3 +100,59 @@ def test_live_server_runs_sched_batch_and_its_worker_sched_other(live_server: An
     for pid in workers:
         assert set(_thread_policies(pid)) == {os.SCHED_OTHER}
     assert "engine scheduling policy batch (SCHED_BATCH)" in live_server.log_path.read_text(errors="replace")
+
+
+@linux_only
+def test_idle_helper_policy_reaches_the_intra_op_helpers_only() -> None:
+    out = _run("""
+        import os, threading, torch
+        torch.set_num_threads(2)
+        from worker.thread_policy import apply_helper_policy, intra_op_helpers
+        print(apply_helper_policy("normal"))
+        helpers = intra_op_helpers()
+        print(len(helpers), threading.get_native_id() not in helpers)
+        print(apply_helper_policy("idle"))
+        policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+        print([policies[t] for t in helpers] == [os.SCHED_IDLE], os.sched_getscheduler(0) == os.SCHED_OTHER)
+        print(sorted(policies.values()).count(os.SCHED_IDLE))
+        a = torch.randn(256, 256)
+        print(torch.allclose(a @ a, (a.double() @ a.double()).float(), atol=1e-3))  # the pool still computes
+    """)
+    assert out.splitlines() == ["worker helper threads: SCHED_OTHER", "1 True",
+                                "worker helper threads: SCHED_IDLE on 1 (only for a machine without busy neighbours)",
+                                "True True", "1", "True"]
+
+
+def test_unknown_helper_policy_is_refused() -> None:
+    from worker.config import WorkerConfig
+    from worker.thread_policy import apply_helper_policy
+
+    with pytest.raises(ValueError, match="idle"):
+        apply_helper_policy("batch")
+    with pytest.raises(ValueError, match="helper_policy"):
+        WorkerConfig(model="x", helper_policy="fifo")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--worker-helper-policy", "fifo"])
+    assert build_parser().parse_args([]).worker_helper_policy == "normal"
+
+
+@linux_only
+@pytest.mark.slow
+def test_live_worker_runs_its_helper_sched_idle_when_asked(start_server: Any, tmp_path: Path, tokenizer: Any) -> None:
+    import openai
+    from tiny_models import make_tiny_hf_model
+
+    model = tmp_path / "tiny-llama"
+    make_tiny_hf_model(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    server = start_server(tmp_path, "--model", str(model), "--served-model-name", "tiny", "--num-threads", "2",
+                          "--worker-helper-policy", "idle")
+    workers = [pid for pid in _children(server.process.pid)
+               if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 1, "no worker process under the server"
+    policies = _thread_policies(workers[0])
+    assert policies.count(os.SCHED_IDLE) == 1 and os.sched_getscheduler(workers[0]) == os.SCHED_OTHER
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    done = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert "SCHED_IDLE on 1" in server.log_path.read_text(errors="replace")
