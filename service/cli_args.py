@@ -19,6 +19,7 @@ from scheduler.fairness import parse_tenant_weights
 from service.cpu_policy import DEFAULT_POLICY as DEFAULT_ENGINE_POLICY
 from service.cpu_policy import POLICIES as ENGINE_POLICIES
 from service.state import DEFAULT_MAX_BODY_SIZE
+from worker.config import HELPER_POLICIES
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1 << 30, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -115,7 +116,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "built at first start-up where a compiler is found, else the portable torch path)")
     g.add_argument("--seed", type=int, default=0, help="worker's base random seed (default %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="worker threads on CPU (default: see README, Threads)")
-    g.add_argument("--worker-helper-policy", choices=("normal", "idle"), default="normal",
+    g.add_argument("--worker-helper-policy", choices=HELPER_POLICIES, default="normal",
                    help="scheduling policy of the worker's intra-op helper threads (Linux). idle: SCHED_IDLE, so the "
                         "engine woken by an output runs on a helper's core at once instead of at the next kernel tick "
                         "(smoother one-stream token gaps); only on a machine the server has to itself, since a busy "

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# the intra-op helpers' scheduling policies (worker.thread_policy, --worker-helper-policy)
+HELPER_POLICIES = ("normal", "idle")
+
 AttentionBackendName = Literal["auto", "torch", "cpu", "flash_attn"]
 
 
@@ -73,8 +76,8 @@ class WorkerConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.helper_policy not in ("normal", "idle"):
-            raise ValueError(f"helper_policy must be normal or idle, got {self.helper_policy!r}")
+        if self.helper_policy not in HELPER_POLICIES:
+            raise ValueError(f"helper_policy must be one of {HELPER_POLICIES}, got {self.helper_policy!r}")
 
 
 @dataclass(frozen=True)

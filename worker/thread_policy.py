@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-POLICIES = ("normal", "idle")
+from worker.config import HELPER_POLICIES
 
 
 def intra_op_helpers() -> list[int]:
@@ -35,8 +35,8 @@ def intra_op_helpers() -> list[int]:
 
 def apply_helper_policy(name: str) -> str:
     """Set `name` on the intra-op helpers; returns what was done, for the log."""
-    if name not in POLICIES:
-        raise ValueError(f"worker helper policy must be one of {POLICIES}, got {name!r}")
+    if name not in HELPER_POLICIES:
+        raise ValueError(f"worker helper policy must be one of {HELPER_POLICIES}, got {name!r}")
     if name == "normal":
         return "worker helper threads: SCHED_OTHER"
     if not (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")):
