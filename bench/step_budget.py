@@ -15,6 +15,7 @@ results are kept under "rounds".
     python bench/step_budget.py                               # the full run (quiet machine)
     python bench/step_budget.py --num-prompts 4 --output-len 8 --budgets 256 --targets default
     python bench/step_budget.py --budgets 256 512 --targets 100 default --rounds 3
+    python bench/step_budget.py --budgets 256 --targets 100:0 100:0.5     # ms:--min-prefill-share
     python bench/step_budget.py --llama-server auto           # also llama-server (build it first:
                                                               #   bash /work/shared/tools/build-llama-server.sh)
 """
@@ -41,7 +42,7 @@ from bench.servers import (  # noqa: E402
     running,
     stepserve_cmd,
 )
-from scheduler.config import DEFAULT_MAX_STEP_MS  # noqa: E402
+from scheduler.config import DEFAULT_MAX_STEP_MS, DEFAULT_MIN_PREFILL_SHARE  # noqa: E402
 
 KEYS = ("total_token_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
         "p99_itl_ms", "completed", "failed", "duration")
@@ -67,9 +68,15 @@ def run_llama_server(args: argparse.Namespace, binary: Path, out: Path) -> dict[
 def _configs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     fixed = [(f"budget-{b}", ["--max-num-batched-tokens", str(b), "--max-step-ms", "0"]) for b in args.budgets]
     targets = []
-    for t in args.targets:
-        ms = DEFAULT_MAX_STEP_MS if t == "default" else float(t)
-        targets.append((f"target-{t}" if t != "default" else f"target-default-{ms:g}", ["--max-step-ms", f"{ms:g}"]))
+    for t in args.targets:  # "default", "MS" (the default --min-prefill-share) or "MS:SHARE"
+        if t == "default":
+            targets.append((f"target-default-{DEFAULT_MAX_STEP_MS:g}-share-{DEFAULT_MIN_PREFILL_SHARE:g}",
+                            ["--max-step-ms", f"{DEFAULT_MAX_STEP_MS:g}",
+                             "--min-prefill-share", f"{DEFAULT_MIN_PREFILL_SHARE:g}"]))
+            continue
+        ms, _, share = t.partition(":")
+        flags = ["--max-step-ms", f"{float(ms):g}"] + (["--min-prefill-share", f"{float(share):g}"] if share else [])
+        targets.append((f"target-{float(ms):g}" + (f"-share-{float(share):g}" if share else ""), flags))
     return fixed + targets
 
 
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", default="uniform:32:256")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budgets", type=int, nargs="*", default=[256, 512, 1024, 2048])
-    ap.add_argument("--targets", nargs="*", default=["100", "200", "400", "default"], help="ms, or 'default'")
+    ap.add_argument("--targets", nargs="*", default=["100", "200", "400", "default"],
+                    help="ms (with the default --min-prefill-share), ms:share, or 'default'")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="worker (and llama-server) threads; default all cores but one, for the load client")
     ap.add_argument("--llama-server", default=None, help="path to llama-server, or 'auto' for the build script's")

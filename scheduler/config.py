@@ -22,7 +22,10 @@ PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 DEFAULT_TOKEN_BUDGET = 2048
 # `--max-step-ms` of the server and the simulator (see docs/step_budget.md for how it was chosen).
-DEFAULT_MAX_STEP_MS = 200.0
+DEFAULT_MAX_STEP_MS = 150.0
+# `--min-prefill-share`: the share of a step's time the time budget always leaves to prefill
+# (a step may run to its decodes' time / (1 - share) when that is over the target).
+DEFAULT_MIN_PREFILL_SHARE = 0.5
 
 
 def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
@@ -69,6 +72,9 @@ class SchedulerConfig:
     # step_cost(step) <= step_time_target (seconds; 0: off, chunks are sized by tokens
     # alone). Needs chunked prefill. step_cost also prices recompute under "auto".
     step_time_target: float = 0.0
+    # With decodes alone over (1 - share) x the target, a step may run to their predicted
+    # time / (1 - share): prefill keeps this share of every step (0: the target is a cap).
+    step_time_prefill_share: float = 0.0
     step_cost: StepCostFn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +116,8 @@ class SchedulerConfig:
     def _check_time_budget(self) -> None:
         if not self.step_time_target >= 0:  # also rejects NaN
             raise ValueError(f"step_time_target must be >= 0 seconds, got {self.step_time_target}")
+        if not 0.0 <= self.step_time_prefill_share < 1.0:  # also rejects NaN
+            raise ValueError(f"step_time_prefill_share must be in [0, 1), got {self.step_time_prefill_share}")
         if self.step_time_target > 0 and self.step_cost is None:
             raise ValueError("step_time_target needs step_cost (a function from a step's shape to seconds)")
         if self.step_time_target > 0 and not self.enable_chunked_prefill:

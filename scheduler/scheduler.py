@@ -60,7 +60,8 @@ class Scheduler:
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
-        self._time = (TimeBudget(config.step_time_target, config.step_cost, config.block_size)  # type: ignore[arg-type]
+        self._time = (TimeBudget(config.step_time_target, config.step_cost, config.block_size,  # type: ignore[arg-type]
+                                 config.step_time_prefill_share)
                       if config.step_time_target > 0 else None)
 
     # ---- requests in and out ------------------------------------------------------------
@@ -392,6 +393,7 @@ class Scheduler:
             step_shape=self._last_shape,
             num_time_capped_chunks=self._time.num_capped if self._time else 0,
             num_decode_over_target=self._time.num_decode_over_target if self._time else 0,
+            step_time_limit=self._time.last_limit if self._time else 0.0,
         )
 
     def check_integrity(self) -> None:

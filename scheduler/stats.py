@@ -30,6 +30,7 @@ class SchedulerStats:
     # The time budget (cumulative):
     num_time_capped_chunks: int = 0  # prefill chunks it shortened
     num_decode_over_target: int = 0  # steps whose decodes alone were predicted over the target
+    step_time_limit: float = 0.0  # seconds: the limit the last prefill chunk beside decodes was sized to
 
     @property
     def prefix_cache_hit_rate(self) -> float:

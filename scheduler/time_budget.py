@@ -7,7 +7,13 @@ dropped or shortened for prefill), then asks here for each chunk, in its usual o
 
     step so far (decodes, earlier chunks) ──▶ chunk(ctx, n) ──▶ n, or the longest chunk
                                               ending on a block boundary that keeps
-                                              cost(step + chunk) <= target
+                                              cost(step + chunk) <= the step's limit
+
+The step's limit is `max(target, decodes / (1 - prefill_share))`, where `decodes` is the
+predicted time of the step's decodes alone: below the target's reach it is the target;
+once the decodes alone take more than `1 - prefill_share` of the target (a large batch, a
+slow machine), the limit grows with them, so prefill keeps that share of the step's time
+instead of shrinking to one block a step. `prefill_share = 0`: the limit is the target.
 
 - Nothing decodes in the step: the chunk keeps the whole token budget (throughput).
 - The first prefill of a step always gets at least up to its next block boundary (a whole
@@ -33,16 +39,34 @@ from scheduler.step_cost import BatchShape, StepCostFn
 class TimeBudget:
     """Per-scheduler state of the time budget; `begin_step` resets the per-step part."""
 
-    def __init__(self, target: float, cost: StepCostFn, block_size: int) -> None:
+    def __init__(self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0) -> None:
+        if not 0.0 <= prefill_share < 1.0:
+            raise ValueError(f"prefill_share must be in [0, 1), got {prefill_share}")
         self.target = target
         self.cost = cost
         self.block_size = block_size
+        self.prefill_share = prefill_share
+        self.last_limit = target  # the limit of the last step that sized a chunk
         self.num_capped = 0  # prefill chunks shortened by the time budget
         self.num_decode_over_target = 0  # steps whose decodes alone were predicted over it
         self._progressed = False  # a prefill chunk is in this step already
+        self._limit: float | None = None  # this step's limit, once known
 
     def begin_step(self) -> None:
         self._progressed = False
+        self._limit = None
+
+    def limit(self, shape: BatchShape) -> float:
+        """The step's limit, fixed at its first chunk or admission, when `shape` holds the
+        step's decodes and nothing else (the scheduler schedules every decode first)."""
+        if self._limit is None:
+            limit = self.target
+            if self.prefill_share and shape.num_decode_tokens:
+                decodes = shape.copy()
+                decodes.swap_blocks = 0
+                limit = max(limit, self.cost(decodes) / (1.0 - self.prefill_share))
+            self._limit = self.last_limit = limit
+        return self._limit
 
     def chunk(self, step: StepBuilder, context: int, n: int, end: int, num_blocks: int = 0) -> int:
         """Tokens a prefill of `n` tokens after `context` may compute in this step (0: none);
@@ -85,7 +109,7 @@ class TimeBudget:
         trial = shape.copy()
         trial.add(n, context, context + n == end)
         trial.swap_blocks = len(step.swap_in) + len(step.swap_out) + num_blocks
-        return n if self.cost(trial) <= self.target else 0
+        return n if self.cost(trial) <= self.limit(shape) else 0
 
     def count_decodes(self, num_decodes: int, kv_tokens: int) -> None:
         """After a step is planned: its `num_decodes` decodes read `kv_tokens` in all."""
@@ -95,9 +119,10 @@ class TimeBudget:
             self.num_decode_over_target += 1
 
     def _fits(self, shape: BatchShape, context: int, m: int, end: int) -> bool:
+        limit = self.limit(shape)
         trial = shape.copy()
         trial.add(m, context, context + m == end)
-        return self.cost(trial) <= self.target
+        return self.cost(trial) <= limit
 
     @staticmethod
     def _shape_of(step: StepBuilder) -> BatchShape:

@@ -10,6 +10,7 @@ import re
 
 from scheduler.config import (
     DEFAULT_MAX_STEP_MS,
+    DEFAULT_MIN_PREFILL_SHARE,
     POLICIES,
     PREDICTORS,
     VICTIM_POLICIES,
@@ -56,6 +57,13 @@ def _non_negative(value: str) -> float:
     number = float(value)
     if not number >= 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
+    return number
+
+
+def _share(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < 1:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value!r}")
     return number
 
 
@@ -120,7 +128,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="scheduling policy of the worker's intra-op helper threads (Linux). idle: SCHED_IDLE, so the "
                         "engine woken by an output runs on a helper's core at once instead of at the next kernel tick "
                         "(smoother one-stream token gaps); only on a machine the server has to itself, since a busy "
-                        "neighbour starves an idle-policy helper and every step waits for it (README, Threads)")
+                        "neighbour starves an idle-policy helper and every step waits for it. auto: idle, put back "
+                        "to normal within ~10 ms whenever a helper is starved, for a hold that grows while it recurs "
+                        "(README, Threads)")
     g.add_argument("--worker-runner", default="worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
 
 
@@ -147,6 +157,11 @@ def _add_scheduler(p: argparse.ArgumentParser) -> None:
                         "predicted time (a cost model fitted online to measured steps) stays within this many ms; "
                         "with nothing decoding, prefill keeps the whole token budget. 0: off, chunks sized by "
                         "--max-num-batched-tokens alone. Off with --no-enable-chunked-prefill. (default %(default)g)")
+    g.add_argument("--min-prefill-share", type=_share, default=DEFAULT_MIN_PREFILL_SHARE,
+                   help="with --max-step-ms: the share of a step's time always left to prefill. Where the decodes "
+                        "alone are predicted over (1 - share) x --max-step-ms (a large batch, a slow machine), "
+                        "the step may run to their time / (1 - share) instead of giving prefill one block a step. "
+                        "0: --max-step-ms is a cap. (default %(default)g)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in the running batch (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, capped at 8192 and at the KV cache)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts across steps (default on)")

@@ -89,6 +89,7 @@ def scheduler_config(args: argparse.Namespace, info: WorkerInfo, step_cost: Step
         kv_bytes_per_token=info.kv_bytes_per_token,
         **policy_fields(a),
         step_time_target=step_time_target(args) if step_cost is not None else 0.0,
+        step_time_prefill_share=a["min_prefill_share"],
         step_cost=step_cost,
         **({"swap_bandwidth": info.copy_bandwidth} if info.copy_bandwidth > 0 else {}),
     )
@@ -138,7 +139,8 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
                  info.extra.get("forward", "eager"), info.attention_backend, info.num_threads, info.num_gpu_blocks,
                  info.block_size, info.kv_cache_dtype)
         log.info("step budget: %d tokens, %s; swap copies at %.1f GB/s", sched_config.max_num_batched_tokens,
-                 f"{sched_config.step_time_target * 1e3:g} ms" if sched_config.step_time_target else "no time target",
+                 f"{sched_config.step_time_target * 1e3:g} ms (prefill share >= {sched_config.step_time_prefill_share:g})"
+                 if sched_config.step_time_target else "no time target",
                  info.copy_bandwidth / 1e9)
         freeze_startup_heap()
         # after the worker started (it would inherit the policy, though it resets its own)

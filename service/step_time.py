@@ -125,6 +125,10 @@ class _StepTimeMetrics:
                                "Recent mean of |predicted - measured| / measured step time (~ last 20 steps).")
         self.target = gauge("step_time_target_seconds", "--max-step-ms as seconds (0: the time budget is off).")
         self.target.set(target)
+        self.limit = gauge("step_time_limit_seconds",
+                           "The limit the last prefill chunk beside decodes was sized to: --max-step-ms, or "
+                           "the decodes' predicted time / (1 - --min-prefill-share) where that is larger.")
+        self.limit.set(target)
         self._coef = Gauge("stepserve:step_cost_coefficient", "The online step-cost fit: seconds per unit of each term.",
                            [*labels, "term"], registry=registry)
         self._coef_model: OnlineStepCost | None = None
@@ -142,6 +146,7 @@ class _StepTimeMetrics:
         self.last_predicted.set(predicted)
         self.last_measured.set(measured)
         self.rel_error.set(model.relative_error)
+        self.limit.set(stats.step_time_limit)
         if self._coef_model is not model:  # read at scrape time: a refit costs more than a step's metrics
             self._coef_model = model
             for term in FEATURES:

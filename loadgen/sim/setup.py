@@ -27,6 +27,7 @@ from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
 from scheduler.config import (
     DEFAULT_MAX_STEP_MS,
+    DEFAULT_MIN_PREFILL_SHARE,
     POLICIES,
     PREDICTORS,
     VICTIM_POLICIES,
@@ -57,6 +58,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS,
                    help="step-time target while requests decode, against the online step-cost model "
                         "(as `stepserve serve`); 0: off (default %(default)g)")
+    g.add_argument("--min-prefill-share", type=float, default=DEFAULT_MIN_PREFILL_SHARE,
+                   help="with --max-step-ms: the share of a step's time always left to prefill, in [0, 1) "
+                        "(as `stepserve serve`; default %(default)g)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt+output")
     g.add_argument("--block-size", type=int, default=d.block_size)
@@ -140,6 +144,7 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
         swap_bandwidth=cm.hardware.host_bandwidth,
         compute_rate=cm.hardware.peak_flops,
         step_time_target=args.max_step_ms / 1e3 if args.enable_chunked_prefill else 0.0,
+        step_time_prefill_share=args.min_prefill_share,
         step_cost=step_model or seeded_model(cm),
     )
     overrides = getattr(args, "config_overrides", None)  # fields without a flag (set by sweeps)

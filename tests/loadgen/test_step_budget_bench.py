@@ -31,3 +31,18 @@ def test_ratios_per_round_and_medians_over_rounds() -> None:
     assert medians["budget-256"]["total_token_throughput"] == 1000
     assert medians["target-100"]["p99_itl_ms"] == 170
     assert medians["budget-512"]["flags"] == ["--x"] and medians["budget-512"]["median_ttft_ms"] is None
+
+
+def test_configurations_name_their_flags() -> None:
+    import argparse
+
+    bench = load_bench("step_budget")
+    from scheduler.config import DEFAULT_MAX_STEP_MS, DEFAULT_MIN_PREFILL_SHARE
+
+    configs = dict(bench._configs(argparse.Namespace(budgets=[256], targets=["100", "150:0.5", "default"])))
+    assert configs["budget-256"] == ["--max-num-batched-tokens", "256", "--max-step-ms", "0"]
+    assert configs["target-100"] == ["--max-step-ms", "100"]  # the server's default share
+    assert configs["target-150-share-0.5"] == ["--max-step-ms", "150", "--min-prefill-share", "0.5"]
+    default = f"target-default-{DEFAULT_MAX_STEP_MS:g}-share-{DEFAULT_MIN_PREFILL_SHARE:g}"
+    assert configs[default] == ["--max-step-ms", f"{DEFAULT_MAX_STEP_MS:g}",
+                                "--min-prefill-share", f"{DEFAULT_MIN_PREFILL_SHARE:g}"]

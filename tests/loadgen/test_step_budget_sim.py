@@ -35,7 +35,7 @@ def _args(*extra: str) -> argparse.Namespace:
 
 
 def test_target_bounds_itl_p99_where_a_large_token_budget_does_not() -> None:
-    args = _args("--max-step-ms", "300")
+    args = _args("--max-step-ms", "300", "--min-prefill-share", "0")  # the target as a cap
     timed = run_strategy(args, "continuous", build_workload(args)).summary()
     fixed_args = _args("--max-step-ms", "0", "--max-num-batched-tokens", "2048")
     fixed = run_strategy(fixed_args, "continuous", build_workload(fixed_args)).summary()
@@ -70,3 +70,18 @@ def test_step_time_preset_sweeps_target_next_to_token_budget(tmp_path: Path, cap
     assert data["companion"]["param"] == "max_num_batched_tokens" and len(data["companion"]["rows"]) == 4
     assert plot.stat().st_size > 10_000
     assert "with --max-step-ms 0" in capsys.readouterr().out
+
+
+def test_prefill_share_keeps_prefill_going_where_the_decodes_fill_the_target() -> None:
+    """A 150 ms target on the `cpu` profile, 24 requests at once: the decodes alone soon take
+    most of it; with share 0.5 prefill keeps half of each step, and requests start sooner."""
+    runs = {}
+    for share in ("0", "0.5"):
+        args = _args("--max-step-ms", "150", "--min-prefill-share", share)
+        assert scheduler_config_from_args(args, build_workload(args), cost_model_from_args(args)).step_time_prefill_share \
+            == float(share)
+        runs[share] = run_strategy(args, "continuous", build_workload(args)).summary()
+    assert runs["0"]["completed"] == runs["0.5"]["completed"] == 24
+    assert runs["0.5"]["median_ttft_ms"] < 0.8 * runs["0"]["median_ttft_ms"]
+    assert runs["0.5"]["total_token_throughput"] > runs["0"]["total_token_throughput"]
+    assert runs["0"]["p99_itl_ms"] <= 1.1 * 150 < runs["0.5"]["p99_itl_ms"]  # the limit followed the decodes

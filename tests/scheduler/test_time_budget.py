@@ -103,6 +103,50 @@ def test_prefill_progresses_a_block_a_step_when_decodes_fill_it() -> None:
         _step(s, w)  # "next" follows once "long" is through
 
 
+def test_prefill_share_lets_the_step_grow_with_its_decodes() -> None:
+    # 8 decodes: 10 + 8 * 1 + 8 * 0.5 = 22, over the target 5. Share 0.5: the limit is 44, so a
+    # chunk may add 1 + 0.5 m <= 22: m <= 42 -> 32 (2 blocks); without a share, one block.
+    for share, first in ((0.0, 16), (0.5, 32), (0.75, 128)):  # 0.75: limit 88, m <= 130 -> 128
+        s, w = _sched(5.0, step_time_prefill_share=share), MirrorWorker(16, 256)
+        _decoding(s, w, 8)
+        s.add_request(make_request("long", 400, 2))
+        plan = _step(s, w)
+        assert plan.num_scheduled_tokens["long"] == first
+        assert len(plan.num_scheduled_tokens) == 9
+        assert s.stats().step_time_limit == (22.0 / (1 - share) if share else 5.0)
+
+
+def test_prefill_share_leaves_a_reachable_target_alone() -> None:
+    # 4 decodes cost 16, well under (1 - 0.5) x 60: the limit stays the target, chunks as without a share
+    s, w = _sched(60.0, step_time_prefill_share=0.5), MirrorWorker(16, 256)
+    _decoding(s, w, 4)
+    s.add_request(make_request("long", 400, 4))
+    chunks = []
+    while s.requests["long"].num_output_tokens == 0:
+        chunks.append(_step(s, w).num_scheduled_tokens["long"])
+    assert chunks == [80, 80, 80, 80, 80]
+    assert s.stats().step_time_limit == 60.0
+
+
+def test_prefill_share_limit_is_fixed_by_the_decodes_alone() -> None:
+    """The limit is taken from the step's decodes at its first chunk; the chunks after it and
+    any swap copies do not raise it."""
+    budget = TimeBudget(5.0, FakeCost(swap=1.0), 16, prefill_share=0.5)
+    budget.begin_step()
+    step = StepBuilder(0, 512)
+    step.shape = BatchShape()
+    step.shape.add(1, 50, count=8)  # 22 -> limit 44
+    assert budget.chunk(step, 0, 200, 200, num_blocks=4) == 32  # 4 swap blocks: 26 + 1 + 0.5 m <= 44: m <= 34
+    assert budget.last_limit == 44.0
+    step.shape.add(16, 0, False)
+    assert budget.chunk(step, 0, 200, 200) == 16  # 31 + 1 + 0.5 m <= 44: m <= 24 -> 16, the same limit
+    budget.begin_step()
+    step.shape = BatchShape()
+    step.shape.add(1, 50, count=2)  # 13 -> limit 26: 1 + 0.5 m <= 13: m <= 24 -> 16
+    assert budget.chunk(step, 0, 200, 200) == 16
+    assert budget.last_limit == 26.0
+
+
 def test_capped_chunks_end_on_block_boundaries() -> None:
     """After an unaligned start (37 computed tokens), a capped chunk ends on a boundary."""
     budget = TimeBudget(40.0, FakeCost(), 16)
@@ -123,6 +167,8 @@ def test_capped_chunks_end_on_block_boundaries() -> None:
     ({"step_time_target": 0.1}, "step_cost"),
     ({"step_time_target": -1.0, "step_cost": FakeCost()}, "step_time_target"),
     ({"step_time_target": float("nan"), "step_cost": FakeCost()}, "step_time_target"),
+    ({"step_time_target": 0.1, "step_cost": FakeCost(), "step_time_prefill_share": 1.0}, "step_time_prefill_share"),
+    ({"step_time_target": 0.1, "step_cost": FakeCost(), "step_time_prefill_share": -0.1}, "step_time_prefill_share"),
     ({"step_time_target": 0.1, "step_cost": FakeCost(), "enable_chunked_prefill": False,
       "max_num_batched_tokens": 4096}, "enable_chunked_prefill"),
 ])
@@ -171,6 +217,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[tuple[int, int, in
         num_cpu_blocks=0 if mode == "recompute" else draw(st.integers(1, 40)), preemption_mode=mode,
         enable_prefix_caching=draw(st.booleans()), long_prefill_token_threshold=draw(st.sampled_from([0, 40])),
         step_time_target=draw(st.sampled_from([3.0, 12.0, 30.0, 80.0])), step_cost=cost,
+        step_time_prefill_share=draw(st.sampled_from([0.0, 0.0, 0.3, 0.5])),
     )
     return cfg, reqs, draw(st.booleans())
 
@@ -198,7 +245,7 @@ def _plan_shape(plan: SchedulerOutput, w: MirrorWorker, prompt_len: dict[str, in
 @given(scenarios())
 def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerConfig, list[tuple[int, int, int]], bool]) -> None:
     cfg, specs, overlap = scenario
-    cost, target = cfg.step_cost, cfg.step_time_target
+    cost, target, share = cfg.step_cost, cfg.step_time_target, cfg.step_time_prefill_share
     assert cost is not None
     s = Scheduler(cfg)
     w = MirrorWorker(cfg.block_size, cfg.num_gpu_blocks, next_token=lambda rid, pos: EOS if pos % 29 == 0 else 900 + pos)
@@ -219,10 +266,12 @@ def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerC
             whole, decodes, chunks = _plan_shape(plan, w, prompt_len)
             if decodes.num_reqs and cost(decodes) > target:
                 over_decodes += 1
-            if decodes.num_reqs and not plan.preempted_req_ids and cost(whole) > target:
+            # the step's limit: the target, or its decodes' time / (1 - share) where larger
+            limit = max(target, cost(decodes) / (1 - share)) if decodes.num_reqs and share else target
+            if decodes.num_reqs and not plan.preempted_req_ids and cost(whole) > limit:
                 # over the target only by the one guaranteed chunk of prefill progress (a step
                 # that preempts may be: its swap-out copies come after the chunks were sized)
-                assert len(chunks) <= 1 and all(c <= cfg.block_size for c in chunks), (chunks, cost(whole), target)
+                assert len(chunks) <= 1 and all(c <= cfg.block_size for c in chunks), (chunks, cost(whole), limit)
                 event("a step over the target by the guaranteed chunk" if chunks else "a decode-only step over the target")
             pending.append((plan, w.execute(plan)))
         if pending and (not overlap or len(pending) == 2 or not s.has_unfinished_requests()):

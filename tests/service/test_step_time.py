@@ -51,9 +51,9 @@ async def test_calibration_stops_at_its_time_limit() -> None:
     assert len(worker.plans) == 3 and not worker.runner.requests  # warm-up, one measured, finish
 
 
-def _stats(shape: BatchShape, capped: int = 0, over: int = 0) -> SchedulerStats:
+def _stats(shape: BatchShape, capped: int = 0, over: int = 0, limit: float = 0.0) -> SchedulerStats:
     return SchedulerStats(1, 0, 0, 0.0, 10, 10, 0, 0, 0, 0, step_shape=shape,
-                          num_time_capped_chunks=capped, num_decode_over_target=over)
+                          num_time_capped_chunks=capped, num_decode_over_target=over, step_time_limit=limit)
 
 
 def _plan(step_id: int, tokens: int) -> SchedulerOutput:
@@ -68,7 +68,8 @@ def test_feed_refits_and_exports_predicted_against_measured() -> None:
     shape.add(1, 100, count=8)
     for i in range(60):
         feed.on_plan(_plan(i, 8), _stats(shape))
-        feed.on_output(_plan(i, 8), ModelRunnerOutput(i, {}, execute_time=0.2), _stats(shape, capped=i, over=2 * i))
+        feed.on_output(_plan(i, 8), ModelRunnerOutput(i, {}, execute_time=0.2),
+                       _stats(shape, capped=i, over=2 * i, limit=0.25 + i / 1000))
     assert feed.predict(shape) == pytest.approx(0.2, rel=0.01)
     text = metrics.exposition().decode()
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("stepserve:step")}
@@ -77,6 +78,7 @@ def test_feed_refits_and_exports_predicted_against_measured() -> None:
     assert abs(values["stepserve:step_time_last_predicted_seconds"] - 0.2) < 0.01
     assert values["stepserve:step_time_relative_error"] < 0.1  # the first (unseeded) miss has faded
     assert values["stepserve:step_time_target_seconds"] == 0.25
+    assert values["stepserve:step_time_limit_seconds"] == pytest.approx(0.309)  # the last step's
     assert values["stepserve:step_prefill_time_capped_total"] == 59
     assert values["stepserve:step_decode_over_target_total"] == 118
     assert model.num_observed == 60

@@ -1,6 +1,7 @@
 """Live on a tiny random model: /metrics shows the step-cost model (predicted against
-measured, the relative error, the target), and `--max-step-ms 0` keeps prefill chunks at
-the token budget next to a decoding stream, where a tiny target cuts them to one block."""
+measured, the relative error, the target and the step's limit), and `--max-step-ms 0` keeps
+prefill chunks at the token budget next to a decoding stream, where a tiny target cuts them
+to one block and `--min-prefill-share` lifts the limit above it."""
 
 from __future__ import annotations
 
@@ -51,13 +52,15 @@ async def _long_prompt_next_to_a_stream(url: str) -> None:
     await stream.close()
 
 
-@pytest.mark.parametrize(("max_step_ms", "capped"), [("0", False), ("0.001", True)])
-def test_time_budget_live(tmp_path: Path, start_server: Any, tiny_model_dir: Path, max_step_ms: str, capped: bool) -> None:
+@pytest.mark.parametrize(("max_step_ms", "share", "capped"), [("0", "0", False), ("0.001", "0", True), ("0.001", "0.9", None)])
+def test_time_budget_live(tmp_path: Path, start_server: Any, tiny_model_dir: Path, max_step_ms: str, share: str,
+                          capped: bool | None) -> None:
     server = start_server(tmp_path, "--model", str(tiny_model_dir), "--max-num-batched-tokens", "64",
-                          "--max-step-ms", max_step_ms, "--num-threads", "1")
+                          "--max-step-ms", max_step_ms, "--min-prefill-share", share, "--num-threads", "1")
     asyncio.run(_long_prompt_next_to_a_stream(server.url))
     m = _metrics(server)
-    assert m["stepserve:step_time_target_seconds"] == float(max_step_ms) / 1e3
+    target = float(max_step_ms) / 1e3
+    assert m["stepserve:step_time_target_seconds"] == target
     # every executed step was predicted when planned and measured when done
     assert m["stepserve:step_time_predicted_seconds_count"] == m["stepserve:model_execute_time_seconds_count"] >= 5
     assert m["stepserve:step_time_last_predicted_seconds"] > 0 and m["stepserve:step_time_last_measured_seconds"] > 0
@@ -65,8 +68,13 @@ def test_time_budget_live(tmp_path: Path, start_server: Any, tiny_model_dir: Pat
     assert m["stepserve:step_cost_coefficient"] >= 0
     # prefill steps of 17..64 tokens: the budget's chunks (63 next to the decode), or none when cut
     mid_chunks = m["stepserve:iteration_prefill_tokens_bucket[64.0]"] - m["stepserve:iteration_prefill_tokens_bucket[16.0]"]
-    if capped:
+    if capped is None:
+        # a 1 us target under the decode's own time: the share sets the limit, 10x the decode's
+        assert m["stepserve:step_time_limit_seconds"] > 100 * target
+    elif capped:
+        assert m["stepserve:step_time_limit_seconds"] == target
         assert m["stepserve:step_prefill_time_capped_total"] > 0 and mid_chunks == 0
     else:
+        assert m["stepserve:step_time_limit_seconds"] == target
         assert m["stepserve:step_prefill_time_capped_total"] == 0 and mid_chunks >= 4
     assert server.stop() == 0
