@@ -74,24 +74,33 @@ def _solve(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, compu
 
 
 def _refine(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
-    """Alternate roof assignment and least squares from `x0`; returns (params, rel_rmse)."""
+    """Alternate roof assignment and least squares from `x0`; returns the best (params,
+    rel_rmse) seen, `x0` included: each solve is optimal for its roof assignment, not for
+    the max() of both roofs, so a later iterate can be worse than an earlier one."""
+    def rel_rmse(x: np.ndarray) -> float:
+        pred = np.maximum(x[0] * f, x[1] * m) + terms @ x[2:]
+        return float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+
     x = x0
+    best = (x0, rel_rmse(x0))
     compute = x[0] * f >= x[1] * m
     for _ in range(50):
         new = _solve(f, m, terms, t, compute)
         if new is None:
             break
         x = np.array([new[0] or x[0], new[1] or x[1], *new[2:]])  # an unused roof keeps its previous value
+        err = rel_rmse(x)
+        if err < best[1]:
+            best = (x, err)
         nxt = x[0] * f >= x[1] * m
         if (nxt == compute).all():
             break
         compute = nxt
-    pred = np.maximum(x[0] * f, x[1] * m) + terms @ x[2:]
-    return x, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+    return best
 
 
 def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: HardwareProfile,
-                block_size: int = 16, name: str | None = None) -> Fit:
+                block_size: int = 16, name: str | None = None, also_from: Sequence[HardwareProfile] = ()) -> Fit:
     """Fit effective FLOP/s, bandwidth and the per-step, per-request, per-KV-token and
     multi-token overheads; the host link is kept from `base`.
 
@@ -99,7 +108,8 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
     `bench/worker_step.py --context 64 512 --chunk-context 0 256 ...` measures such a grid.
 
     A roof no sample reaches cannot be measured: it keeps `base`'s value (and the fit
-    only guarantees it is not binding).
+    only guarantees it is not binding). The fit starts from `base` (and variants of its
+    roofs) and from each profile in `also_from`, and is never worse than any of them.
     """
     if len(samples) < 3:
         raise ValueError(f"calibration needs at least 3 measured steps, got {len(samples)}")
@@ -117,6 +127,7 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
             x0 = x_base.copy()
             x0[roof] *= scale
             starts.append(x0)
+    starts += [np.array([1 / p.peak_flops, 1 / p.memory_bandwidth, *p.overheads]) for p in also_from]
     best_x, best_err = min((_refine(f, m, terms, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
     profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
@@ -190,7 +201,8 @@ def calibrate_bench(data: dict[str, Any], base: HardwareProfile, shape_name: str
     """Fit a profile to a bench output; the shape and dtype default to the bench's own.
 
     The bench's own matmul rate and copy bandwidth (`machine`, in GFLOP/s and GB/s), when
-    present, replace `base`'s roofs as the fit's starting point.
+    present, replace `base`'s roofs as the fit's starting point; `base` itself is a
+    starting point too, so the fit is never worse than `base` on these steps.
     """
     results = data.get("results")
     if dtype is None and isinstance(results, list) and results and "dtype" in results[0]:
@@ -199,8 +211,10 @@ def calibrate_bench(data: dict[str, Any], base: HardwareProfile, shape_name: str
     shape = get_model_shape(shape_name or bench_model_shape(data) or "smollm2-135m").with_dtype(dtype)
     machine = data.get("machine") or {}
     flops = machine.get(f"matmul_flops_{dtype}") or machine.get("matmul_flops_float32")
+    given = base
     if flops and machine.get("copy_bandwidth_bytes"):
         base = replace(base, peak_flops=float(flops) * 1e9,
                        memory_bandwidth=float(machine["copy_bandwidth_bytes"]) * 1e9)
-    fit = fit_profile(samples_from_bench(data, dtype), shape, base, name=name)
+    fit = fit_profile(samples_from_bench(data, dtype), shape, base, name=name,
+                      also_from=(given,) if given is not base else ())
     return fit, shape
