@@ -1,7 +1,8 @@
 """Worker threads against a busy neighbour: one decode step of the default model (batch 1 and
 8, 128 tokens of context), with 1 or all threads, under OpenMP wait policies (the default,
 PASSIVE, or a bounded spin `spin:N` = GOMP_SPINCOUNT=N), alone or beside a process that
-keeps one core busy (as the front door does under load).
+keeps one core busy (as the front door does under load), and under the worker's helper
+policies (`--worker-helper-policy`: normal, idle, auto; `--helper-policies`).
 
 Spinning OpenMP barriers are the known way this collapses: a thread that spins while its
 sibling is preempted wastes the core the sibling needs. Each combination runs in a fresh
@@ -9,6 +10,7 @@ process (the wait policy is read at OpenMP start-up). Prints JSON, with each com
 step time relative to the all-threads, default-policy, no-neighbour one.
 
     python bench/threads.py [--enforce-eager] [--policies default PASSIVE spin:10000] [--threads 2]
+    python bench/threads.py --threads 2 --policies default --helper-policies normal idle auto
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from worker.config import HELPER_POLICIES  # noqa: E402
 
 CHILD = r"""
 import json, sys, time, torch
@@ -33,14 +39,20 @@ from worker.model_runner import ModelRunner
 r = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28, num_threads={threads},
                              enforce_eager={eager}))
 b = Bench(r)
+from worker.thread_policy import apply_helper_policy, watchdog_stats
+apply_helper_policy({helper!r})
 out = {{}}
 with torch.inference_mode():
     for batch in (1, 8):
         ids = start_decodes(b, batch, 128)
         for _ in range(3):
             r.execute(b.plan({{}}, dict.fromkeys(ids, 1)))
-        out[batch] = median([time_once(lambda: r.execute(b.plan({{}}, dict.fromkeys(ids, 1))), r.device) for _ in range(25)])
+        times = [time_once(lambda: r.execute(b.plan({{}}, dict.fromkeys(ids, 1))), r.device) for _ in range(25)]
+        out[batch] = median(times)
+        out[str(batch) + "_max"] = max(times)
+        out[str(batch) + "_mean"] = sum(times) / len(times)
         b.finish(ids)
+out["watchdog"] = watchdog_stats()
 print(json.dumps(out))
 """
 
@@ -50,7 +62,7 @@ def _spin(stop: float) -> None:
         pass
 
 
-def measure(threads: int, policy: str, neighbour: bool, eager: bool) -> dict[str, float]:
+def measure(threads: int, policy: str, neighbour: bool, eager: bool, helper: str = "normal") -> dict[str, Any]:
     env = dict(os.environ)
     for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(key, None)
@@ -60,7 +72,7 @@ def measure(threads: int, policy: str, neighbour: bool, eager: bool) -> dict[str
         env["GOMP_SPINCOUNT"] = policy.removeprefix("spin:")
     elif policy != "default":
         raise SystemExit(f"unknown policy {policy!r} (default, PASSIVE or spin:N)")
-    code = CHILD.format(root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager)
+    code = CHILD.format(root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager, helper=helper)
     spinner = None
     if neighbour:
         spinner = multiprocessing.Process(target=_spin, args=(time.monotonic() + 600,), daemon=True)
@@ -75,7 +87,10 @@ def measure(threads: int, policy: str, neighbour: bool, eager: bool) -> dict[str
         if spinner is not None:
             spinner.terminate()
             spinner.join()
-    return {f"batch_{k}_ms": round(v * 1e3, 2) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    watchdog = got.pop("watchdog")
+    return {**{f"batch_{k}_ms": round(v * 1e3, 2) for k, v in got.items()},
+            **({"watchdog": watchdog} if helper == "auto" else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["default", "PASSIVE"],
                     help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
+    ap.add_argument("--helper-policies", nargs="+", default=["normal"], choices=HELPER_POLICIES,
+                    help="--worker-helper-policy values to time (default: normal)")
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 2
     counts = sorted(set(args.threads or {1, cores}))
@@ -91,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     for neighbour in (False, True):
         for threads in counts:
             for policy in args.policies:
-                rows.append({"threads": threads, "omp_wait_policy": policy,
-                             "busy_neighbour": neighbour, **measure(threads, policy, neighbour, args.enforce_eager)})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, kept if the run is cut short
+                for helper in args.helper_policies:
+                    rows.append({"threads": threads, "omp_wait_policy": policy, "helper_policy": helper,
+                                 "busy_neighbour": neighbour,
+                                 **measure(threads, policy, neighbour, args.enforce_eager, helper)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, kept if the run is cut short
     base = next(r for r in rows if r["threads"] == counts[-1] and r["omp_wait_policy"] == args.policies[0]
-                and not r["busy_neighbour"])
+                and r["helper_policy"] == args.helper_policies[0] and not r["busy_neighbour"])
     for r in rows:
         if "error" in r:
             continue

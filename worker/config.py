@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # the intra-op helpers' scheduling policies (worker.thread_policy, --worker-helper-policy)
-HELPER_POLICIES = ("normal", "idle")
+HELPER_POLICIES = ("normal", "idle", "auto")
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "flash_attn"]
 
@@ -41,7 +41,7 @@ class WorkerConfig:
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores; README, Threads)
-    helper_policy: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle (worker.thread_policy)
+    helper_policy: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle | auto (worker.thread_policy)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -84,9 +84,11 @@ def worker_main(
     runner = _build_runner(conn, config, runner_factory)
     if runner is not None:
         if config.helper_policy != "normal":  # after start-up: the warm-up has started the pool
-            from worker.thread_policy import apply_helper_policy
+            from worker.thread_policy import apply_helper_policy, log_watchdog_changes
 
             logger.info("%s", apply_helper_policy(config.helper_policy))
+            if config.helper_policy == "auto":
+                log_watchdog_changes(logger)
         _serve(conn, runner, inbox)
     logger.info("worker exiting")
 

@@ -123,6 +123,63 @@ def test_idle_helper_policy_reaches_the_intra_op_helpers_only() -> None:
                                 "True True", "1", "True"]
 
 
+@linux_only
+def test_auto_helper_policy_leaves_sched_idle_while_starved_and_returns() -> None:
+    """`auto`: SCHED_IDLE helpers; a CPU-bound process on every core starves the helper of a
+    parallel region, and the watchdog puts it back under SCHED_OTHER; once the neighbours
+    are gone and the hold (1 s) is over, it is SCHED_IDLE again."""
+    out = _run("""
+        import os, subprocess, sys, time, torch
+        torch.set_num_threads(2)
+        from worker.thread_policy import apply_helper_policy, intra_op_helpers, watchdog_stats
+        print(apply_helper_policy("auto").startswith("worker helper threads: SCHED_IDLE on 1, back to SCHED_OTHER"))
+        (helper,) = intra_op_helpers()
+        print(os.sched_getscheduler(helper) == os.SCHED_IDLE, watchdog_stats())
+        x = torch.randn(4_000_000)
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        try:
+            deadline = time.monotonic() + 20
+            while watchdog_stats()["demotions"] == 0 and time.monotonic() < deadline:
+                (x * 1.5).sum()  # parallel regions the helper takes part in
+            print(watchdog_stats()["demotions"] >= 1, os.sched_getscheduler(helper) == os.SCHED_OTHER)
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
+        deadline = time.monotonic() + 20
+        while watchdog_stats()["restores"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = watchdog_stats()
+        print(stats["restores"] >= 1, stats["normal_now"], os.sched_getscheduler(helper) == os.SCHED_IDLE)
+        print(torch.allclose((x * 1.5).sum(), x.double().sum().float() * 1.5, rtol=1e-3))
+    """)
+    assert out.splitlines() == ["True", "True {'demotions': 0, 'restores': 0, 'normal_now': 0}",
+                                "True True", "True 0 True", "True"]
+
+
+@linux_only
+def test_auto_helper_policy_stays_normal_where_idle_cannot_be_left() -> None:
+    """Unprivileged, with the default RLIMIT_NICE, a thread cannot leave SCHED_IDLE: `auto`
+    then keeps the helpers SCHED_OTHER instead of risking a helper starved for good."""
+    out = _run("""
+        import os, torch
+        torch.set_num_threads(2)
+        from worker import thread_policy
+        real = os.sched_setscheduler
+        def refuse(pid, policy, param):
+            if policy == os.SCHED_OTHER and os.sched_getscheduler(pid) == os.SCHED_IDLE:
+                raise PermissionError(1, "Operation not permitted")
+            return real(pid, policy, param)
+        os.sched_setscheduler = refuse
+        print(thread_policy.can_leave_idle())
+        print(thread_policy.apply_helper_policy("auto"))
+        print([os.sched_getscheduler(t) for t in thread_policy.intra_op_helpers()] == [os.SCHED_OTHER])
+    """)
+    lines = out.splitlines()
+    assert lines[0] == "False" and lines[2] == "True"
+    assert lines[1].startswith("worker helper threads: SCHED_OTHER (auto needs")
+
+
 def test_unknown_helper_policy_is_refused() -> None:
     from worker.config import WorkerConfig
     from worker.thread_policy import apply_helper_policy
