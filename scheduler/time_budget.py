@@ -40,8 +40,6 @@ class TimeBudget:
     """Per-scheduler state of the time budget; `begin_step` resets the per-step part."""
 
     def __init__(self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0) -> None:
-        if not 0.0 <= prefill_share < 1.0:
-            raise ValueError(f"prefill_share must be in [0, 1), got {prefill_share}")
         self.target = target
         self.cost = cost
         self.block_size = block_size
