@@ -93,3 +93,13 @@ def test_feed_ignores_untimed_and_unknown_steps() -> None:
     feed.on_plan(_plan(6, 16), _stats(shape))
     feed.on_output(_plan(6, 16), ModelRunnerOutput(6, {}, execute_time=0.0), _stats(shape))  # not timed
     assert model.num_observed == 0
+
+
+@pytest.mark.parametrize("bad", ["1", "1.5", "-0.1", "nan", "half"])
+def test_min_prefill_share_out_of_range_is_refused_by_the_cli(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli_args import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--min-prefill-share", bad])
+    assert "--min-prefill-share" in capsys.readouterr().err
+    assert build_parser().parse_args(["--min-prefill-share", "0"]).min_prefill_share == 0.0
