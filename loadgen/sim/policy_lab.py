@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preemption-modes", default="recompute", help="comma-separated: recompute, swap, auto")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every trace's request count")
     p.add_argument("--variance-rate", type=float, default=VARIANCE_RATE,
-                   help="length-variance arrivals, req/s (default %(default)s: 90%% of capacity at spread 4)")
+                   help="length-variance arrivals, req/s (default %(default)s: 90%% of the spread-1 mix's capacity)")
     p.add_argument("--goodput", nargs="+", default=list(DEFAULT_SLO), metavar="SLO",
                    help="SLOs in ms (default %(default)s)")
     p.add_argument("--out-dir", default="policy-lab", help="policies.md, policies.json and PNGs go here")

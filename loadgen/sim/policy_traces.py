@@ -8,11 +8,15 @@
   so the bound says nothing about a request's length while its app does: what a
   predictor learned per tenant can use. Spread 1 is one app's mix; spread 4 gives means of
   about 9, 38, 151 and 602 tokens (extraction, short answers, chat, long-form). Arrivals
-  are Poisson at a fixed rate, 90% of the capacity at the largest spread, so a queue forms
-  and its order matters, while no point is overloaded; prompts are uniform 32-512 tokens whatever the app.
-- `variance-load`: the largest spread again, at offered loads from 0.8x to 1.4x of that
-  capacity, FCFS and SJF (learned) only: where the order starts to matter for goodput. Below
-  capacity a request rarely waits long, so FCFS already meets the SLO for nearly every
+  are Poisson at one rate for every spread, 90% of what the server serves of the spread-1
+  mix (`mix_capacity`): the load it carries comfortably when lengths barely vary. Only the
+  variance changes from point to point, and as it grows the same server serves fewer
+  requests a second (14.3, 11.9, 10.6, 9.9 by the same measure), so spread 1 is stable and
+  spreads 3 and 4 are past capacity: where the queue's order decides who meets the SLO.
+  Prompts are uniform 32-512 tokens whatever the app.
+- `variance-load`: the largest spread again, at offered loads from 0.8x to 1.4x of its
+  own capacity, FCFS and SJF (learned) only: where the order starts to matter for goodput.
+  Below capacity a request rarely waits long, so FCFS already meets the SLO for nearly every
   request and no order can raise goodput much; past it, FCFS's queue delays everyone.
 - `tenant-flood`: two tenants with the same length mix, "flood" sending 4x "steady"'s rate,
   together 3x what the server can serve, so both stay backlogged: the fair share question.
@@ -30,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from loadgen.distributions import LengthDist, arrival_times
-from loadgen.sim.setup import add_run_args, build_workload
+from loadgen.sim.setup import (
+    add_run_args,
+    build_workload,
+    cost_model_from_args,
+    scheduler_config_from_args,
+)
+from loadgen.sim.simulator import Simulator
 from loadgen.sim.sweep import PRESETS, with_param
 from loadgen.workloads import WorkloadRequest
 
@@ -38,10 +48,12 @@ MEAN_OUTPUT = 200
 DECLARED_MAX_TOKENS = 2048
 SPREADS = ("1", "2", "3", "4")
 NUM_APPS = 4
-# Rates from the server's capacity for each mix: what FCFS serves (llama-3.1-8b on an
-# a100-80g, 1024 KV blocks) with every request queued at once.
-VARIANCE_RATE = 9.0  # req/s: 90% of VARIANCE_CAPACITY, so every point is stable
-VARIANCE_CAPACITY = 9.9  # req/s FCFS serves at spread 4 with every request queued at once
+# Rates from the server's capacity for each mix (`mix_capacity`: what FCFS serves, llama-3.1-8b
+# on an a100-80g with 1024 KV blocks, with every request queued at once);
+# tests/loadgen/test_policy_lab.py measures the first again.
+SPREAD1_CAPACITY = 14.3  # req/s at spread 1
+VARIANCE_CAPACITY = 9.9  # req/s at spread 4
+VARIANCE_RATE = 12.9  # req/s: 90% of SPREAD1_CAPACITY, for every spread
 LOAD_FACTORS = ("0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4")
 FLOOD_STEADY_RATE = 12.0  # req/s; flood sends 48: 60 in all, 3x the 20.5 req/s served
 
@@ -117,6 +129,16 @@ def variance_workload(n: int, spread: float, rate: float, seed: int) -> list[Wor
 def _variance_args(n: int, rate: float) -> argparse.Namespace:
     """The run flags of a length-variance workload of n requests at `rate`."""
     return base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
+
+
+def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
+    """Requests per second FCFS serves of the spread's mix (victim newest, recompute) when
+    all n arrive at once: the capacity the trace rates are fractions of."""
+    args = _variance_args(n, math.inf)
+    workload = variance_workload(n, spread, math.inf, seed)
+    cm = cost_model_from_args(args)
+    result = Simulator(scheduler_config_from_args(args, workload, cm), cm).run(workload)
+    return n / result.duration
 
 
 def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:

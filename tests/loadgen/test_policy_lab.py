@@ -9,15 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.report import RequestRecord
+from loadgen.report import RequestRecord, parse_goodput
 from loadgen.sim.cli import main as simulate
 from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
+from loadgen.sim.policy_lab import DEFAULT_SLO, Cell, run_cell
 from loadgen.sim.policy_metrics import aging_margin, backlogged_windows, fairness, shortest_quartile
 from loadgen.sim.policy_traces import (
+    SPREAD1_CAPACITY,
     VARIANCE_CAPACITY,
+    VARIANCE_RATE,
     app_means,
+    build_trace,
     flood_workload,
     load_trace,
+    mix_capacity,
     variance_workload,
 )
 from loadgen.sim.result import RequestStat, ServicePoint
@@ -82,6 +87,32 @@ def test_load_trace_sends_the_same_requests_faster() -> None:
     first, last = trace.points[0].workload, trace.points[-1].workload
     assert [(w.prompt_len, w.output_len, w.user) for w in first] == [(w.prompt_len, w.output_len, w.user) for w in last]
     assert last[-1].arrival_time < first[-1].arrival_time
+
+
+def test_trace_rates_follow_the_measured_capacities() -> None:
+    """The length-variance rate is 90% of the spread-1 mix's capacity, measured again (a
+    virtual clock, so exactly reproducible), and past the spread-4 mix's: the variance
+    alone takes the server past capacity."""
+    assert mix_capacity(1.0) == pytest.approx(SPREAD1_CAPACITY, abs=0.05)
+    assert pytest.approx(0.9 * SPREAD1_CAPACITY, abs=0.05) == VARIANCE_RATE
+    assert VARIANCE_RATE > VARIANCE_CAPACITY
+
+
+def test_sjf_meets_the_issue_targets_at_the_largest_variance() -> None:
+    """The lab's headline, as a regression test: at spread 4, SJF (learned) against FCFS
+    gains >= 1.3x goodput, cuts the shortest quartile's p99 >= 2x, and nobody is passed by
+    a request arriving more than W/rate after it, nor waits longer than that window."""
+    trace = build_trace("length-variance")
+    point = trace.points[-1]
+    assert point.label == "4"
+    slo = parse_goodput(list(DEFAULT_SLO))
+    fcfs, sjf = (run_cell(trace, point, Cell(trace.name, point.label, q, "newest", "recompute"), slo)[0]
+                 for q in ("fcfs", "sjf"))
+    assert fcfs["unfinished"] == sjf["unfinished"] == 0
+    assert sjf["goodput"] >= 1.3 * fcfs["goodput"]
+    assert fcfs["short_p99_ms"] >= 2 * sjf["short_p99_ms"]
+    assert sjf["aging_margin_s"] <= 1e-9
+    assert sjf["longest_wait_s"] <= sjf["aging_window_max_s"]
 
 
 def test_simulator_stops_by_eos_before_a_declared_bound_and_keeps_tenants() -> None:
