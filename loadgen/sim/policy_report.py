@@ -8,7 +8,7 @@ import argparse
 import math
 from typing import Any
 
-from loadgen.sim.policy_traces import VARIANCE_CAPACITY
+from loadgen.sim.policy_traces import SPREAD4_CAPACITY
 
 # The point of each trace the per-policy tables show: the most telling one.
 HEADLINE = {"token-budget": "2048", "kv-capacity": "50", "length-variance": "4", "variance-load": "1.3",
@@ -53,7 +53,7 @@ def _variance_target(rows: list[dict[str, Any]], mode: str, rate: float) -> list
     window = sjf["aging_window_max_s"]
     return [
         f"**SJF (learned) vs FCFS, length variance at its largest (spread 4, {rate:g} req/s = "
-        f"{rate / VARIANCE_CAPACITY:.2f}x its {VARIANCE_CAPACITY} req/s capacity), victim newest:**",
+        f"{rate / SPREAD4_CAPACITY:.2f}x its {SPREAD4_CAPACITY} req/s capacity), victim newest:**",
         f"goodput {fcfs['goodput']:.2f} -> {sjf['goodput']:.2f} req/s ({_ratio(sjf['goodput'], fcfs['goodput'])}, target >= "
         f"{SJF_TARGET}x; FCFS met the SLO for {fcfs['attainment']:.1%} of requests, so no order can gain more than "
         f"{_ratio(1.0, fcfs['attainment'])}); "
@@ -64,6 +64,21 @@ def _variance_target(rows: list[dict[str, Any]], mode: str, rate: float) -> list
         f"{'held' if held else 'VIOLATED'} (worst margin {sjf['aging_margin_s']:.1f} s; no request is passed by "
         f"one arriving more than W/rate after it, W/rate <= {window:.1f} s here).", "",
     ]
+
+
+def _lab_checks(rows: list[dict[str, Any]]) -> list[str]:
+    """The aging bound over every sjf run, and how the length-variance baseline fared."""
+    out: list[str] = []
+    sjf = [r for r in rows if "aging_margin_s" in r]
+    if sjf:
+        held = sum(r["aging_margin_s"] <= 1e-9 for r in sjf)
+        out += [f"**Aging bound over every sjf run** (both predictors, every victim and trace): held in {held} of "
+                f"{len(sjf)}; worst margin {max(r['aging_margin_s'] for r in sjf):.1f} s.", ""]
+    base = [r for r in rows if r["trace"] == "length-variance" and r["point"] == "1"]
+    if base:
+        out += [f"**Length variance at spread 1** (the load's baseline): the lowest share of requests within the SLO "
+                f"over its {len(base)} runs is {min(r['attainment'] for r in base):.1%}.", ""]
+    return out
 
 
 def _load_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
@@ -104,7 +119,7 @@ def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = ["# compare-policies", "",
              f"SLO: {' '.join(args.goodput)} (a request is good when it meets all); scale {args.scale}; "
              f"length-variance rate {args.variance_rate} req/s; preemption modes: {args.preemption_modes}.", "", "## Targets", "",
-             *_variance_target(rows, mode, args.variance_rate), *_load_target(rows, mode), *_flood_target(rows, mode),
+             *_variance_target(rows, mode, args.variance_rate), *_lab_checks(rows), *_load_target(rows, mode), *_flood_target(rows, mode),
              *_victim_target(rows, mode)]
     for name in dict.fromkeys(r["trace"] for r in rows):
         mine = [r for r in rows if r["trace"] == name]

@@ -12,12 +12,15 @@
   mix (`mix_capacity`): the load it carries comfortably when lengths barely vary. Only the
   variance changes from point to point, and as it grows the same server serves fewer
   requests a second (14.3, 11.9, 10.6, 9.9 by the same measure), so spread 1 is stable and
-  spreads 3 and 4 are past capacity: where the queue's order decides who meets the SLO.
+  spreads 2, 3 and 4 are past that capacity (1.08x, 1.22x, 1.30x): where the queue's order
+  decides who meets the SLO. (The rate was set so after a sweep at 90% of the spread-4
+  capacity had shown that no order can raise goodput much below capacity.)
   Prompts are uniform 32-512 tokens whatever the app.
 - `variance-load`: the largest spread again, at offered loads from 0.8x to 1.4x of its
   own capacity, FCFS and SJF (learned) only: where the order starts to matter for goodput.
   Below capacity a request rarely waits long, so FCFS already meets the SLO for nearly every
-  request and no order can raise goodput much; past it, FCFS's queue delays everyone.
+  request and no order can raise goodput much; from about 1.25x of it (the all-at-once
+  capacity understates what Poisson arrivals sustain), FCFS's queue delays everyone.
 - `tenant-flood`: two tenants with the same length mix, "flood" sending 4x "steady"'s rate,
   together 3x what the server can serve, so both stay backlogged: the fair share question.
 
@@ -52,8 +55,8 @@ NUM_APPS = 4
 # on an a100-80g with 1024 KV blocks, with every request queued at once);
 # tests/loadgen/test_policy_lab.py measures the first again.
 SPREAD1_CAPACITY = 14.3  # req/s at spread 1
-VARIANCE_CAPACITY = 9.9  # req/s at spread 4
-VARIANCE_RATE = 12.9  # req/s: 90% of SPREAD1_CAPACITY, for every spread
+SPREAD4_CAPACITY = 9.9  # req/s at spread 4
+VARIANCE_RATE = round(0.9 * SPREAD1_CAPACITY, 1)  # req/s (12.9), for every spread
 LOAD_FACTORS = ("0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4")
 FLOOD_STEADY_RATE = 12.0  # req/s; flood sends 48: 60 in all, 3x the 20.5 req/s served
 
@@ -133,11 +136,14 @@ def _variance_args(n: int, rate: float) -> argparse.Namespace:
 
 def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
     """Requests per second FCFS serves of the spread's mix (victim newest, recompute) when
-    all n arrive at once: the capacity the trace rates are fractions of."""
+    all n arrive at once: the capacity the length-variance rate and the variance-load
+    loads are fractions of."""
     args = _variance_args(n, math.inf)
     workload = variance_workload(n, spread, math.inf, seed)
     cm = cost_model_from_args(args)
     result = Simulator(scheduler_config_from_args(args, workload, cm), cm).run(workload)
+    if result.unfinished:
+        raise RuntimeError(f"capacity run stopped ({result.stop_reason}) with {len(result.unfinished)} requests unfinished")
     return n / result.duration
 
 
@@ -154,10 +160,10 @@ def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
 def load_trace(scale: float) -> Trace:
     """Spread 4 at each of LOAD_FACTORS x its capacity: the same requests, arriving faster."""
     n = _scaled(1200, scale)
-    trace = Trace("variance-load", "load", f"spread 4 at offered loads relative to its {VARIANCE_CAPACITY} req/s capacity",
+    trace = Trace("variance-load", "load", f"spread 4 at offered loads relative to its {SPREAD4_CAPACITY} req/s capacity",
                   queues=("fcfs", "sjf"), victims=("newest",))
     for factor in LOAD_FACTORS:
-        rate = float(factor) * VARIANCE_CAPACITY
+        rate = float(factor) * SPREAD4_CAPACITY
         trace.points.append(TracePoint(factor, _variance_args(n, rate), variance_workload(n, 4.0, rate, 0)))
     return trace
 

@@ -16,7 +16,7 @@ from loadgen.sim.policy_lab import DEFAULT_SLO, Cell, run_cell
 from loadgen.sim.policy_metrics import aging_margin, backlogged_windows, fairness, shortest_quartile
 from loadgen.sim.policy_traces import (
     SPREAD1_CAPACITY,
-    VARIANCE_CAPACITY,
+    SPREAD4_CAPACITY,
     VARIANCE_RATE,
     app_means,
     build_trace,
@@ -83,25 +83,26 @@ def test_load_trace_sends_the_same_requests_faster() -> None:
     trace = load_trace(0.05)
     assert trace.queues == ("fcfs", "sjf") and trace.victims == ("newest",)
     rates = [p.args.request_rate for p in trace.points]
-    assert rates == sorted(rates) and rates[2] == pytest.approx(VARIANCE_CAPACITY)
+    assert rates == sorted(rates) and rates[2] == pytest.approx(SPREAD4_CAPACITY)
     first, last = trace.points[0].workload, trace.points[-1].workload
     assert [(w.prompt_len, w.output_len, w.user) for w in first] == [(w.prompt_len, w.output_len, w.user) for w in last]
     assert last[-1].arrival_time < first[-1].arrival_time
 
 
 def test_trace_rates_follow_the_measured_capacities() -> None:
-    """The length-variance rate is 90% of the spread-1 mix's capacity, measured again (a
-    virtual clock, so exactly reproducible), and past the spread-4 mix's: the variance
-    alone takes the server past capacity."""
+    """The length-variance rate is 90% of the spread-1 mix's capacity, measured again here
+    (a virtual clock, so exactly reproducible), and above the spread-4 mix's recorded
+    capacity: the variance alone takes the server past capacity."""
     assert mix_capacity(1.0) == pytest.approx(SPREAD1_CAPACITY, abs=0.05)
-    assert pytest.approx(0.9 * SPREAD1_CAPACITY, abs=0.05) == VARIANCE_RATE
-    assert VARIANCE_RATE > VARIANCE_CAPACITY
+    assert VARIANCE_RATE > SPREAD4_CAPACITY
 
 
 def test_sjf_meets_the_issue_targets_at_the_largest_variance() -> None:
     """The lab's headline, as a regression test: at spread 4, SJF (learned) against FCFS
     gains >= 1.3x goodput, cuts the shortest quartile's p99 >= 2x, and nobody is passed by
-    a request arriving more than W/rate after it, nor waits longer than that window."""
+    a request arriving more than W/rate after it. Nobody waits longer than that window
+    either: observed here, not guaranteed (the stated bound adds the time to serve what
+    arrived earlier)."""
     trace = build_trace("length-variance")
     point = trace.points[-1]
     assert point.label == "4"
@@ -143,6 +144,9 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     assert all(r["aging_margin_s"] <= 1e-9 for r in rows if r["queue"] == "sjf")
     report = (tmp_path / "policies.md").read_text()
     assert "SJF (learned) vs FCFS" in report and "Recomputed tokens per victim policy" in report
+    sjf_runs = sum(r["queue"] == "sjf" for r in rows)
+    assert f"every victim and trace): held in {sjf_runs} of {sjf_runs};" in report
+    assert "**Length variance at spread 1** (the load's baseline)" in report
     assert "over FCFS goodput by offered load" in report and "## variance-load" in report
     assert "## kv-capacity" in report and "## tenant-flood" in report
     pngs = {p.name for p in tmp_path.glob("*.png")}
