@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,15 @@ from tqdm import tqdm
 from loadgen.report import parse_goodput
 from loadgen.sim.cost_model import CostModel
 from loadgen.sim.policy_metrics import policy_row
-from loadgen.sim.policy_traces import TRACES, VARIANCE_RATE, Trace, TracePoint, build_trace
+from loadgen.sim.policy_traces import (
+    TRACES,
+    VARIANCE_RATE,
+    Trace,
+    TracePoint,
+    build_trace,
+    variance_args,
+    variance_workload,
+)
 from loadgen.sim.result import ServicePoint
 from loadgen.sim.setup import cost_model_from_args, scheduler_config_from_args
 from loadgen.sim.simulator import SimLimits, Simulator
@@ -62,6 +71,18 @@ def run_cell(trace: Trace, point: TracePoint, cell: Cell, slo: dict[str, float])
     result = sim.run(point.workload)
     row = {**dataclasses.asdict(cell), **policy_row(result, config, slo)}
     return row, result.service
+
+
+def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
+    """Requests per second FCFS serves of the length-variance trace's spread mix (victim
+    newest, recompute, as every cell runs) when all n arrive at once: the capacity the
+    length-variance rate and the variance-load loads are fractions of."""
+    point = TracePoint(str(spread), variance_args(n, math.inf), variance_workload(n, spread, math.inf, seed))
+    trace = Trace("capacity", "spread", "every request at once", [point])
+    row, _ = run_cell(trace, point, Cell(trace.name, point.label, "fcfs", "newest", "recompute"), {})
+    if row["unfinished"]:
+        raise RuntimeError(f"the capacity run left {row['unfinished']} of {n} requests unfinished")
+    return n / row["duration_s"]
 
 
 def parse_list(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:

@@ -9,7 +9,7 @@
   predictor learned per tenant can use. Spread 1 is one app's mix; spread 4 gives means of
   about 9, 38, 151 and 602 tokens (extraction, short answers, chat, long-form). Arrivals
   are Poisson at one rate for every spread, 90% of what the server serves of the spread-1
-  mix (`mix_capacity`): the load it carries comfortably when lengths barely vary. Only the
+  mix (`policy_lab.mix_capacity`): the load it carries comfortably when lengths barely vary. Only the
   variance changes from point to point, and as it grows the same server serves fewer
   requests a second (14.3, 11.9, 10.6, 9.9 by the same measure), so spread 1 is stable and
   spreads 2, 3 and 4 are past that capacity (1.08x, 1.22x, 1.30x): where the queue's order
@@ -37,13 +37,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.distributions import LengthDist, arrival_times
-from loadgen.sim.setup import (
-    add_run_args,
-    build_workload,
-    cost_model_from_args,
-    scheduler_config_from_args,
-)
-from loadgen.sim.simulator import Simulator
+from loadgen.sim.setup import add_run_args, build_workload
 from loadgen.sim.sweep import PRESETS, with_param
 from loadgen.workloads import WorkloadRequest
 
@@ -51,7 +45,7 @@ MEAN_OUTPUT = 200
 DECLARED_MAX_TOKENS = 2048
 SPREADS = ("1", "2", "3", "4")
 NUM_APPS = 4
-# Rates from the server's capacity for each mix (`mix_capacity`: what FCFS serves, llama-3.1-8b
+# Rates from the server's capacity for each mix (`policy_lab.mix_capacity`: what FCFS serves, llama-3.1-8b
 # on an a100-80g with 1024 KV blocks, with every request queued at once);
 # tests/loadgen/test_policy_lab.py measures the first again.
 SPREAD1_CAPACITY = 14.3  # req/s at spread 1
@@ -129,27 +123,14 @@ def variance_workload(n: int, spread: float, rate: float, seed: int) -> list[Wor
     return out
 
 
-def _variance_args(n: int, rate: float) -> argparse.Namespace:
+def variance_args(n: int, rate: float) -> argparse.Namespace:
     """The run flags of a length-variance workload of n requests at `rate`."""
     return base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
 
 
-def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
-    """Requests per second FCFS serves of the spread's mix (victim newest, recompute) when
-    all n arrive at once: the capacity the length-variance rate and the variance-load
-    loads are fractions of."""
-    args = _variance_args(n, math.inf)
-    workload = variance_workload(n, spread, math.inf, seed)
-    cm = cost_model_from_args(args)
-    result = Simulator(scheduler_config_from_args(args, workload, cm), cm).run(workload)
-    if result.unfinished:
-        raise RuntimeError(f"capacity run stopped ({result.stop_reason}) with {len(result.unfinished)} requests unfinished")
-    return n / result.duration
-
-
 def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
     n = _scaled(1200, scale)
-    args = _variance_args(n, rate)
+    args = variance_args(n, rate)
     trace = Trace("length-variance", "spread", "output length variance across four apps; the mean stays "
                   f"{MEAN_OUTPUT} tokens")
     for spread in SPREADS:
@@ -164,7 +145,7 @@ def load_trace(scale: float) -> Trace:
                   queues=("fcfs", "sjf"), victims=("newest",))
     for factor in LOAD_FACTORS:
         rate = float(factor) * SPREAD4_CAPACITY
-        trace.points.append(TracePoint(factor, _variance_args(n, rate), variance_workload(n, 4.0, rate, 0)))
+        trace.points.append(TracePoint(factor, variance_args(n, rate), variance_workload(n, 4.0, rate, 0)))
     return trace
 
 

@@ -12,7 +12,7 @@ import pytest
 from loadgen.report import RequestRecord, parse_goodput
 from loadgen.sim.cli import main as simulate
 from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
-from loadgen.sim.policy_lab import DEFAULT_SLO, Cell, run_cell
+from loadgen.sim.policy_lab import DEFAULT_SLO, Cell, mix_capacity, run_cell
 from loadgen.sim.policy_metrics import aging_margin, backlogged_windows, fairness, shortest_quartile
 from loadgen.sim.policy_traces import (
     SPREAD1_CAPACITY,
@@ -22,7 +22,6 @@ from loadgen.sim.policy_traces import (
     build_trace,
     flood_workload,
     load_trace,
-    mix_capacity,
     variance_workload,
 )
 from loadgen.sim.result import RequestStat, ServicePoint
