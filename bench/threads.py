@@ -2,7 +2,7 @@
 8, 128 tokens of context), with 1 or all threads, under OpenMP wait policies (the default,
 PASSIVE, or a bounded spin `spin:N` = GOMP_SPINCOUNT=N), alone or beside a process that
 keeps one core busy (as the front door does under load), and under the worker's helper
-policies (`--worker-helper-policy`: normal, idle, auto; `--helper-policies`).
+policies (`--helper-cpu-scheduling`: normal, idle, auto; `--helper-policies`).
 
 Spinning OpenMP barriers are the known way this collapses: a thread that spins while its
 sibling is preempted wastes the core the sibling needs. Each combination runs in a fresh
@@ -28,19 +28,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worker.config import HELPER_POLICIES  # noqa: E402
+from worker.config import HELPER_CPU_SCHEDULING  # noqa: E402
 
 CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
 from worker_step import Bench, median, start_decodes, time_once
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner
+from worker.execution.model_runner import ModelRunner
 r = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28, num_threads={threads},
                              enforce_eager={eager}))
 b = Bench(r)
-from worker.thread_policy import apply_helper_policy, watchdog_stats
-apply_helper_policy({helper!r})
+from worker.process.cpu_scheduling import apply_helper_cpu_scheduling, watchdog_stats
+apply_helper_cpu_scheduling({helper!r})
 out = {{}}
 with torch.inference_mode():
     for batch in (1, 8):
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=["default", "PASSIVE"],
                     help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
-    ap.add_argument("--helper-policies", nargs="+", default=["normal"], choices=HELPER_POLICIES,
-                    help="--worker-helper-policy values to time (default: normal)")
+    ap.add_argument("--helper-policies", nargs="+", default=["normal"], choices=HELPER_CPU_SCHEDULING,
+                    help="--helper-cpu-scheduling values to time (default: normal)")
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 2
     counts = sorted(set(args.threads or {1, cores}))
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         for threads in counts:
             for policy in args.policies:
                 for helper in args.helper_policies:
-                    rows.append({"threads": threads, "omp_wait_policy": policy, "helper_policy": helper,
+                    rows.append({"threads": threads, "omp_wait_policy": policy, "helper_cpu_scheduling": helper,
                                  "busy_neighbour": neighbour,
                                  **measure(threads, policy, neighbour, args.enforce_eager, helper)})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, kept if the run is cut short
     base = next(r for r in rows if r["threads"] == counts[-1] and r["omp_wait_policy"] == args.policies[0]
-                and r["helper_policy"] == args.helper_policies[0] and not r["busy_neighbour"])
+                and r["helper_cpu_scheduling"] == args.helper_policies[0] and not r["busy_neighbour"])
     for r in rows:
         if "error" in r:
             continue

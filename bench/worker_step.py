@@ -44,13 +44,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.kv_manager import cdiv  # noqa: E402
+from common.arith import cdiv  # noqa: E402
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from scheduler.sampling import SamplingParams  # noqa: E402
 from worker.config import WorkerConfig, WorkerInfo  # noqa: E402
-from worker.loader import expected_shapes  # noqa: E402
-from worker.model_config import ModelConfig  # noqa: E402
-from worker.model_runner import ModelRunner, resolve_device, resolve_dtype  # noqa: E402
+from worker.execution.model_runner import ModelRunner, resolve_device, resolve_dtype  # noqa: E402
+from worker.model.config import ModelConfig  # noqa: E402
+from worker.model.loader import expected_shapes  # noqa: E402
 
 LLAMA_31_8B = ModelConfig(
     architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -362,8 +362,8 @@ def _forward_ops(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: 
 def ipc_round_trip_ms(batch: int, steps: int = 100) -> dict[str, float]:
     """A decode plan of `batch` requests through the worker process's pipe, with the instant
     runner behind it: round trip minus the worker's own execute time is the IPC cost."""
-    from worker.client import WorkerClient
-    from worker.process import INSTANT_RUNNER_FACTORY
+    from worker.process.client import WorkerClient
+    from worker.process.main import INSTANT_RUNNER_FACTORY
 
     async def run() -> dict[str, float]:
         client = WorkerClient(WorkerConfig(device="cpu", kv_cache_memory=4 << 30), INSTANT_RUNNER_FACTORY)

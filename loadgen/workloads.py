@@ -1,6 +1,6 @@
 """Workloads: lists of `WorkloadRequest` (arrival time, prompt, lengths, priority).
 
-Shared by the load generator (`loadgen.poisson`) and the simulator. Builders:
+Shared by the load generator (`loadgen.bench`) and the simulator. Builders:
 `synthetic`, `from_jsonl`, `from_sharegpt`, `shared_prefix`; `add_workload_args` and
 `workload_from_args` give both CLIs the same flags. Each random aspect (arrivals,
 lengths, priorities, prompt tokens, dataset order) draws from its own stream of the

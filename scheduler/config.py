@@ -1,6 +1,8 @@
 """`SchedulerConfig`: the scheduler's knobs, validated once at construction.
 
-Names follow `vllm serve` flags where the concept is the same. Invalid combinations raise
+Each field that has a flag has the flag's name (`--max-num-seqs` is `max_num_seqs`), named
+after `vllm serve` where the concept is the same; its default here is the flag's default
+(`scheduler.flags` declares the flags from these fields). Invalid combinations raise
 `ValueError` with a message that names the offending field.
 """
 
@@ -11,21 +13,16 @@ from typing import Literal
 
 from scheduler.step_cost import StepCostFn, flop_rate_cost
 
-Policy = Literal["fcfs", "priority", "sjf", "fair"]
+SchedulingPolicy = Literal["fcfs", "priority", "sjf", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 VictimPolicy = Literal["newest", "priority", "fewest_output", "least_remaining", "largest_kv"]
 Predictor = Literal["learned", "max_tokens"]
-POLICIES: tuple[Policy, ...] = ("fcfs", "priority", "sjf", "fair")
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "sjf", "fair")
 VICTIM_POLICIES: tuple[VictimPolicy, ...] = ("newest", "priority", "fewest_output", "least_remaining", "largest_kv")
 PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 
 DEFAULT_TOKEN_BUDGET = 2048
-# `--max-step-ms` of the server and the simulator (see docs/step_budget.md for how it was chosen).
-DEFAULT_MAX_STEP_MS = 150.0
-# `--min-prefill-share`: the share of a step's time the time budget always leaves to prefill
-# (a step may run to its decodes' time / (1 - share) when that is over the target).
-DEFAULT_MIN_PREFILL_SHARE = 0.5
 
 
 def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
@@ -46,7 +43,7 @@ class SchedulerConfig:
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0  # host swap slots; 0 disables swap preemption
-    policy: Policy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     aging_period: float = 10.0  # seconds of waiting that buy one priority level
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a chunk is only capped by the token budget
@@ -59,7 +56,7 @@ class SchedulerConfig:
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, share weight); others weigh 1
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     priority_preemption_threshold: int | None = None  # None: waiting requests never preempt running ones
     # preemption_mode="auto" prices a swap at swap_bandwidth (the server passes the worker's
     # measured copy bandwidth) and a recompute with step_cost, or without one, dense FLOPs
@@ -68,13 +65,15 @@ class SchedulerConfig:
     flops_per_token: float = 16e9
     swap_bandwidth: float = 16e9  # bytes/s over the host link, one direction
     compute_rate: float = 312e12  # FLOP/s
-    # The time budget: while any request decodes, prefill chunks shrink so that
-    # step_cost(step) <= step_time_target (seconds; 0: off, chunks are sized by tokens
-    # alone). Needs chunked prefill. step_cost also prices recompute under "auto".
-    step_time_target: float = 0.0
-    # With decodes alone over (1 - share) x the target, a step may run to their predicted
-    # time / (1 - share): prefill keeps this share of every step (0: the target is a cap).
-    step_time_prefill_share: float = 0.0
+    # The step-time budget (`--max-step-ms`): while any request decodes, prefill chunks
+    # shrink so that step_cost(step) <= max_step_ms. It applies where there is a step_cost
+    # model to predict a step with and prompts can be chunked (`step_time_limit_s`); 0: off,
+    # chunks are sized by tokens alone. step_cost also prices recompute under "auto".
+    max_step_ms: float = 150.0
+    # `--min-prefill-share`: with decodes alone over (1 - share) x the budget, a step may run
+    # to their predicted time / (1 - share), so prefill keeps this share of every step
+    # (0: the budget is a cap).
+    min_prefill_share: float = 0.5
     step_cost: StepCostFn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,8 +83,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.victim_policy is not None and self.victim_policy not in VICTIM_POLICIES:
@@ -104,8 +103,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could never run"
             )
-        if self.priority_preemption_threshold is not None and self.policy != "priority":
-            raise ValueError("priority_preemption_threshold needs policy='priority'")
+        if self.priority_preemption_threshold is not None and self.scheduling_policy != "priority":
+            raise ValueError("priority_preemption_threshold needs scheduling_policy='priority'")
         if self.priority_preemption_threshold is not None and self.priority_preemption_threshold < 1:
             raise ValueError(f"priority_preemption_threshold must be >= 1, got {self.priority_preemption_threshold}")
         for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
@@ -114,14 +113,18 @@ class SchedulerConfig:
         self._check_time_budget()
 
     def _check_time_budget(self) -> None:
-        if not self.step_time_target >= 0:  # also rejects NaN
-            raise ValueError(f"step_time_target must be >= 0 seconds, got {self.step_time_target}")
-        if not 0.0 <= self.step_time_prefill_share < 1.0:  # also rejects NaN
-            raise ValueError(f"step_time_prefill_share must be in [0, 1), got {self.step_time_prefill_share}")
-        if self.step_time_target > 0 and self.step_cost is None:
-            raise ValueError("step_time_target needs step_cost (a function from a step's shape to seconds)")
-        if self.step_time_target > 0 and not self.enable_chunked_prefill:
-            raise ValueError("step_time_target needs enable_chunked_prefill=True: it sizes prefill chunks")
+        if not self.max_step_ms >= 0:  # also rejects NaN
+            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if not 0.0 <= self.min_prefill_share < 1.0:  # also rejects NaN
+            raise ValueError(f"min_prefill_share must be in [0, 1), got {self.min_prefill_share}")
+
+    @property
+    def step_time_limit_s(self) -> float:
+        """The step-time budget in seconds as the scheduler applies it: 0 (off) without a
+        step-cost model or without chunked prefill, since it sizes prefill chunks."""
+        if self.step_cost is None or not self.enable_chunked_prefill:
+            return 0.0
+        return self.max_step_ms / 1e3
 
     @property
     def recompute_cost(self) -> StepCostFn:
@@ -150,4 +153,4 @@ class SchedulerConfig:
     def effective_victim_policy(self) -> VictimPolicy:
         if self.victim_policy is not None:
             return self.victim_policy
-        return "priority" if self.policy == "priority" else "newest"
+        return "priority" if self.scheduling_policy == "priority" else "newest"

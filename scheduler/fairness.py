@@ -6,7 +6,7 @@
 `fair_prompt_weight`, when it is first computed or found in the prefix cache; each output
 token counts once, at `fair_output_weight`, in the step that samples it (defaults 1 and 2,
 the paper's prices; a sample still in flight when its request finishes is refunded). Tokens recomputed after a preemption are not service: the tenant got
-nothing new from them. `ServiceMeter` keeps these totals under every policy.
+nothing new from them. `FairnessMeter` keeps these totals under every policy.
 
 **Counters** (`FairQueue`, policy "fair"). Tenant t's counter is
 ``c_t = served_t / w_t + lift_t``, with `w_t` its share weight (`tenant_weights`, 1 unless
@@ -39,7 +39,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 
 
-class ServiceMeter:
+class FairnessMeter:
     """Weighted tokens served per tenant (not divided by share weights)."""
 
     def __init__(self, prompt_weight: float = 1.0, output_weight: float = 2.0) -> None:
@@ -81,7 +81,7 @@ def vtc_bound(config: SchedulerConfig, largest_request_cost: float, kv_term: boo
 class FairQueue:
     """Waiting requests per tenant (FCFS within a tenant), admitted by lowest VTC counter."""
 
-    def __init__(self, meter: ServiceMeter, weights: tuple[tuple[str, float], ...] = ()) -> None:
+    def __init__(self, meter: FairnessMeter, weights: tuple[tuple[str, float], ...] = ()) -> None:
         self.meter = meter
         self.weights = dict(weights)
         self._lift: dict[str, float] = {}
@@ -165,8 +165,8 @@ class FairQueue:
 
 def tenant_report(scheduler: object) -> dict[str, dict[str, float]]:
     """Per tenant: weighted tokens served, and under the fair policy its VTC counter."""
-    meter = getattr(scheduler, "service", None)
-    if not isinstance(meter, ServiceMeter):
+    meter = getattr(scheduler, "fairness_meter", None)
+    if not isinstance(meter, FairnessMeter):
         return {}
     queue = getattr(scheduler, "waiting", None)
     out: dict[str, dict[str, float]] = {}

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from common.arith import cdiv
 from scheduler.block_pool import BlockKey, BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockMap(NamedTuple):

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from scheduler.config import SchedulerConfig
-from scheduler.fairness import FairQueue, ServiceMeter
+from scheduler.fairness import FairnessMeter, FairQueue
 from scheduler.predictor import remaining_work
 from scheduler.request import Request
 
@@ -180,12 +180,12 @@ class SJFQueue:
 WaitingQueue = FCFSQueue | PriorityQueue | SJFQueue | FairQueue
 
 
-def make_waiting_queue(config: SchedulerConfig, meter: ServiceMeter) -> WaitingQueue:
-    """The waiting queue of `config.policy`; "fair" reads the service `meter`."""
-    if config.policy == "priority":
+def make_waiting_queue(config: SchedulerConfig, meter: FairnessMeter) -> WaitingQueue:
+    """The waiting queue of `config.scheduling_policy`; "fair" reads the service `meter`."""
+    if config.scheduling_policy == "priority":
         return PriorityQueue(config.aging_period)
-    if config.policy == "sjf":
+    if config.scheduling_policy == "sjf":
         return SJFQueue(config.sjf_aging_rate)
-    if config.policy == "fair":
+    if config.scheduling_policy == "fair":
         return FairQueue(meter, config.tenant_weights)
     return FCFSQueue()

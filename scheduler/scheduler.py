@@ -4,14 +4,14 @@ Each `schedule()` call plans one step, in two phases:
 
 1. Running requests, in admission order: a prefill chunk or one decode token each. When the
    block pool cannot serve one, preempt a victim chosen by the victim policy
-   (`policies.VICTIM_KEYS`) and retry — possibly the request itself.
+   (`victims.VICTIM_KEYS`) and retry — possibly the request itself.
 2. Only if nothing was preempted: swapped requests come back, then waiting requests are
    admitted head-of-line in the queue policy's order (`queues.make_waiting_queue`),
    counting prefix-cache hits as already computed.
 
-With a step-time target (`SchedulerConfig.step_time_target`), phase 1 schedules every decode
-before any prefill chunk, and `TimeBudget` sizes each chunk so that the step's predicted
-time stays within the target while requests decode (scheduler/time_budget.py).
+With a step-time budget (`SchedulerConfig.max_step_ms`), phase 1 schedules every decode
+before any prefill chunk, and `StepTimeBudget` sizes each chunk so that the step's predicted
+time stays within the target while requests decode (scheduler/step_time_budget.py).
 
 Plans are published before the previous plan's output is applied (two in flight): a request
 that will sample counts a *placeholder* token until `update_from_output` delivers it.
@@ -22,18 +22,20 @@ from __future__ import annotations
 import itertools
 import time
 
+from common.arith import cdiv
 from scheduler.config import SchedulerConfig
-from scheduler.fairness import ServiceMeter
-from scheduler.kv_manager import KVCacheManager, cdiv
+from scheduler.fairness import FairnessMeter
+from scheduler.finishing import request_output, stop_status
+from scheduler.kv_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
-from scheduler.policies import pick_victim, request_output, stop_status, swap_is_cheaper
 from scheduler.predictor import make_predictor
 from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step import Preemption, StepBuilder
 from scheduler.step_cost import BatchShape
-from scheduler.time_budget import TimeBudget
+from scheduler.step_time_budget import StepTimeBudget
+from scheduler.victims import pick_victim, swap_is_cheaper
 
 
 class Scheduler:
@@ -42,9 +44,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVCacheManager(config)
-        self.service = ServiceMeter(config.fair_prompt_weight, config.fair_output_weight)
+        self.fairness_meter = FairnessMeter(config.fair_prompt_weight, config.fair_output_weight)
         self.predictor = make_predictor(config.output_len_predictor)
-        self.waiting: WaitingQueue = make_waiting_queue(config, self.service)
+        self.waiting: WaitingQueue = make_waiting_queue(config, self.fairness_meter)
         self.running: list[Request] = []  # admission order: the newest is last
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request
@@ -60,9 +62,9 @@ class Scheduler:
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
-        self._time = (TimeBudget(config.step_time_target, config.step_cost, config.block_size,  # type: ignore[arg-type]
-                                 config.step_time_prefill_share)
-                      if config.step_time_target > 0 else None)
+        self._time = (StepTimeBudget(config.step_time_limit_s, config.step_cost, config.block_size,  # type: ignore[arg-type]
+                                     config.min_prefill_share)
+                      if config.step_time_limit_s > 0 else None)
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -230,7 +232,7 @@ class Scheduler:
             (step.resumed if rid in self._known_to_worker else step.new_reqs).add(rid)
             self._admit(req, step)
             step.add(req, n, new)
-            self.service.charge(req, hit_tokens + n, samples=False)  # now: the next pick sees it
+            self.fairness_meter.charge(req, hit_tokens + n, samples=False)  # now: the next pick sees it
             # Cache now, so that a sibling admitted later in this step shares these blocks:
             # the worker writes every new KV entry of a layer before attending. Safe because
             # a request admitted here is never unscheduled in the same step.
@@ -262,7 +264,7 @@ class Scheduler:
                 if n == 1:
                     decodes += 1
                     decode_kv += ctx + 1
-            self.service.charge(req, ctx + n, samples)
+            self.fairness_meter.charge(req, ctx + n, samples)
             req.num_computed_tokens = ctx + n
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -359,7 +361,7 @@ class Scheduler:
             self.waiting.remove(req)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.predictor.observe(req)
-        self.service.refund_samples(req, req.num_placeholders)  # in flight, to be discarded
+        self.fairness_meter.refund_samples(req, req.num_placeholders)  # in flight, to be discarded
         req.status = status
         req.metrics.finished_time = now
         self.kv.free(req)

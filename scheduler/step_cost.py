@@ -4,7 +4,7 @@ model is linear in, and the one rule that decides swap against recompute.
 A step is described by a few aggregates over the requests it computes (`BatchShape`). Two
 models read them: the simulator's roofline (`loadgen/sim/cost_model.py`, the virtual clock)
 and the online fit the engine and the simulator hand the scheduler
-(`scheduler/step_fit.py`). Both price the overheads with the same `overhead_terms`; the fit
+(`scheduler/step_cost_fit.py`). Both price the overheads with the same `overhead_terms`; the fit
 adds the per-token, per-sampled-position and per-attention-pair terms of `step_features`.
 
 A cost function is any `StepCostFn`: a plain callable from a shape to predicted seconds.

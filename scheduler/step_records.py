@@ -1,5 +1,5 @@
 """Step records: what one scheduler step did, as JSON-ready dicts. One format for the live
-view (`service/step_records.py` streams them) and the simulator's timeline files
+view (`service/engine/step_record_hub.py` streams them) and the simulator's timeline files
 (`loadgen/sim/timeline.py` writes them); docs/step_records.md describes every field.
 
 `StepRecorder` builds a record in two halves, as the engine learns them::
@@ -43,7 +43,7 @@ Record = dict[str, Any]
 
 
 class Delivered(Protocol):
-    """A step's output as its clients saw it (`service.output_processor.StepDelivery`)."""
+    """A step's output as its clients saw it (`service.engine.output_processor.StepDelivery`)."""
 
     tokens: int
     first: list[str]
@@ -87,7 +87,7 @@ def scheduler_hello(sched: Scheduler, **extra: Any) -> Record:
     """`hello` for a run of the real scheduler."""
     c = sched.config
     return hello(c.num_gpu_blocks, c.block_size, c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-                 policy=c.policy, preemption_mode=c.preemption_mode,
+                 policy=c.scheduling_policy, preemption_mode=c.preemption_mode,
                  prefix_caching=c.enable_prefix_caching, **extra)
 
 

@@ -1,1 +1,2 @@
-"""stepserve worker package."""
+"""The worker: runs step plans on the model in its own process (model, kernels, attention,
+plan execution, process plumbing)."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-# the intra-op helpers' scheduling policies (worker.thread_policy, --worker-helper-policy)
-HELPER_POLICIES = ("normal", "idle", "auto")
+# the intra-op helpers' scheduling policies (worker.process.cpu_scheduling, --helper-cpu-scheduling)
+HELPER_CPU_SCHEDULING = ("normal", "idle", "auto")
 
 AttentionBackendName = Literal["auto", "torch", "cpu", "flash_attn"]
 
@@ -20,9 +20,9 @@ class WorkerConfig:
 
     model: str | None = None  # GGUF file or HF directory; None: the default SmolLM2 GGUF
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU what the start-up probe measures faster
-    quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.weight_form)
+    quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.model.weight_form)
     # gguf: auto | int8 | float32 activations in the low-bit products (auto: int8 where the CPU
-    # has AVX512-VNNI; see worker.linear.GGUFLinear)
+    # has AVX512-VNNI; see worker.model.linear.GGUFLinear)
     gguf_activations: str = "auto"
     enforce_eager: bool = False  # True: no torch.compile
     # True: every attention goes through the C++ kernel (no SDPA for long chunks), so with the
@@ -31,7 +31,7 @@ class WorkerConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     # auto: float16 where the C++ CPU attention reads a GGUF model's cache (half the bytes a
-    # decode reads; see worker.model_runner.resolve_kv_dtype), else the model's dtype
+    # decode reads; see worker.execution.model_runner.resolve_kv_dtype), else the model's dtype
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     max_num_batched_tokens: int = 2048  # size of the profiling forward on CUDA
@@ -41,7 +41,7 @@ class WorkerConfig:
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores; README, Threads)
-    helper_policy: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle | auto (worker.thread_policy)
+    helper_cpu_scheduling: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle | auto (worker.process.cpu_scheduling)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -76,8 +76,8 @@ class WorkerConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.helper_policy not in HELPER_POLICIES:
-            raise ValueError(f"helper_policy must be one of {HELPER_POLICIES}, got {self.helper_policy!r}")
+        if self.helper_cpu_scheduling not in HELPER_CPU_SCHEDULING:
+            raise ValueError(f"helper_cpu_scheduling must be one of {HELPER_CPU_SCHEDULING}, got {self.helper_cpu_scheduling!r}")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from loadgen.sim.result import TimelinePoint  # noqa: E402
-from scheduler.config import DEFAULT_MAX_STEP_MS  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
 
 
 def plot_timeline(points: list[TimelinePoint], path: str | Path, title: str = "") -> None:
@@ -98,7 +98,7 @@ def plot_budget_vs_target(budget_rows: list[dict[str, Any]], target_rows: list[d
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-        axes[row][1].axvline(DEFAULT_MAX_STEP_MS, color="tab:gray", linestyle="--", label="default")
+        axes[row][1].axvline(SchedulerConfig().max_step_ms, color="tab:gray", linestyle="--", label="default")
         top = max(r[key] * scale for rows, _ in columns for r in rows)
         axes[row][0].set_ylim(0, max(top * 1.1, 1e-9))
     axes[0][1].legend()

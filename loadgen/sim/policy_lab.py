@@ -37,11 +37,11 @@ from loadgen.sim.simulator import SimLimits, Simulator
 from scheduler.config import VICTIM_POLICIES, SchedulerConfig
 
 QUEUE_POLICIES: dict[str, dict[str, Any]] = {
-    "fcfs": {"policy": "fcfs"},
-    "priority": {"policy": "priority"},
-    "sjf": {"policy": "sjf", "output_len_predictor": "learned"},
-    "sjf-max_tokens": {"policy": "sjf", "output_len_predictor": "max_tokens"},
-    "fair": {"policy": "fair"},
+    "fcfs": {"scheduling_policy": "fcfs"},
+    "priority": {"scheduling_policy": "priority"},
+    "sjf": {"scheduling_policy": "sjf", "output_len_predictor": "learned"},
+    "sjf-max_tokens": {"scheduling_policy": "sjf", "output_len_predictor": "max_tokens"},
+    "fair": {"scheduling_policy": "fair"},
 }
 DEFAULT_SLO = ("ttft:2000", "tpot:100")
 
@@ -70,7 +70,7 @@ def run_cell(trace: Trace, point: TracePoint, cell: Cell, slo: dict[str, float])
     sim = Simulator(config, cm, SimLimits(), record_service=trace.record_service)
     result = sim.run(point.workload)
     row = {**dataclasses.asdict(cell), **policy_row(result, config, slo)}
-    return row, result.service
+    return row, result.tenant_service
 
 
 def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 from loadgen.report import RequestRecord
 from loadgen.sim.result import RequestStat, ServicePoint, SimResult
 from scheduler.config import SchedulerConfig
-from scheduler.fairness import ServiceMeter, vtc_bound
+from scheduler.fairness import FairnessMeter, vtc_bound
 
 
 def shortest_quartile(records: list[RequestRecord]) -> list[RequestRecord]:
@@ -114,13 +114,13 @@ def policy_row(result: SimResult, config: SchedulerConfig, slo: dict[str, float]
         "unfinished": len(result.unfinished),
         "duration_s": result.duration,
     }
-    if config.policy == "sjf":
+    if config.scheduling_policy == "sjf":
         row["aging_margin_s"] = aging_margin(result.request_stats, config.sjf_aging_rate)
         row["aging_window_max_s"] = config.max_model_len / config.sjf_aging_rate
-    if result.service:
+    if result.tenant_service:
         tenants = sorted({s.tenant for s in result.request_stats})
-        row.update(fairness(result.service, tenants, dict(config.tenant_weights)))
-        meter = ServiceMeter(config.fair_prompt_weight, config.fair_output_weight)
+        row.update(fairness(result.tenant_service, tenants, dict(config.tenant_weights)))
+        meter = FairnessMeter(config.fair_prompt_weight, config.fair_output_weight)
         largest = max(meter.request_cost(s.prompt_len, s.output_len) for s in result.request_stats)
         row["vtc_bound"] = vtc_bound(config, largest)
         row["vtc_bound_kv"] = vtc_bound(config, largest, kv_term=True)

@@ -76,10 +76,12 @@ class Trace:
 
 
 def base_args(argv: list[str] | None = None, **defaults: Any) -> argparse.Namespace:
-    """The simulator's run flags with `defaults` applied (what a preset does)."""
+    """The simulator's run flags with `defaults` applied (what a preset does). Prefix caching
+    is off: the lab compares orders and victims, and a resumed victim's recompute is the cost
+    the victim policies are judged by (a cached prefix would hide part of it)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_run_args(parser)
-    parser.set_defaults(**defaults)
+    parser.set_defaults(**{"enable_prefix_caching": False, **defaults})
     return parser.parse_args(argv or [])
 
 

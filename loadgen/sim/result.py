@@ -114,7 +114,7 @@ class SimResult:
     num_busy_steps: int = 0  # steps that took time (what a live engine's step histogram counts)
     num_recompute_tokens: int = 0  # computed tokens dropped by recompute preemptions
     request_stats: list[RequestStat] = field(default_factory=list)  # continuous batching only
-    service: list[ServicePoint] = field(default_factory=list)  # with record_service
+    tenant_service: list[ServicePoint] = field(default_factory=list)  # with record_service
     # with record_steps: the run's step records (`scheduler.step_records`) and their hello
     step_hello: dict[str, Any] | None = None
     step_records: list[dict[str, Any]] = field(default_factory=list)

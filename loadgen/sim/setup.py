@@ -22,20 +22,13 @@ from loadgen.sim.cost_model import (
 )
 from loadgen.sim.result import SimResult
 from loadgen.sim.simulator import SimLimits, Simulator
-from loadgen.sim.step_budget import seeded_model
+from loadgen.sim.step_cost import seeded_model
 from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
-from scheduler.config import (
-    DEFAULT_MAX_STEP_MS,
-    DEFAULT_MIN_PREFILL_SHARE,
-    POLICIES,
-    PREDICTORS,
-    VICTIM_POLICIES,
-    SchedulerConfig,
-    token_budget,
-)
-from scheduler.fairness import parse_tenant_weights
-from scheduler.step_fit import OnlineStepCost
+from scheduler import flags as scheduler_flags
+from scheduler.config import SchedulerConfig
+from scheduler.flags import NON_NEGATIVE_INT, POSITIVE_INT, add_scheduler_args
+from scheduler.step_cost_fit import OnlineStepCost
 
 STRATEGIES = ("continuous", "static", "padding")
 
@@ -50,43 +43,20 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: float32 on the cpu profile, else the shape's own (bfloat16)")
 
 
-def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    d = SchedulerConfig()
-    g = parser.add_argument_group("scheduler (vllm serve names)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"default {d.max_num_batched_tokens}; with chunked prefill off, at least the max model length")
-    g.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS,
-                   help="step-time target while requests decode, against the online step-cost model "
-                        "(as `stepserve serve`); 0: off (default %(default)g)")
-    g.add_argument("--min-prefill-share", type=float, default=DEFAULT_MIN_PREFILL_SHARE,
-                   help="with --max-step-ms: the share of a step's time always left to prefill, in [0, 1) "
-                        "(as `stepserve serve`; default %(default)g)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt+output")
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
-    g.add_argument("--num-cpu-blocks", type=int, default=None,
+def add_pool_args(parser: argparse.ArgumentParser) -> None:
+    """The KV pool's size, which `serve` learns from the worker's memory."""
+    g = parser.add_argument_group("KV pool (serve sizes it from memory)")
+    g.add_argument("--num-gpu-blocks", type=POSITIVE_INT, default=SchedulerConfig().num_gpu_blocks,
+                   help="device KV blocks (default %(default)s)")
+    g.add_argument("--num-cpu-blocks", type=NON_NEGATIVE_INT, default=None,
                    help="host swap blocks; default 0, or --num-gpu-blocks under swap/auto preemption")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
-    g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=d.preemption_mode)
-    g.add_argument("--scheduling-policy", choices=POLICIES, default=d.policy)
-    g.add_argument("--victim-policy", choices=VICTIM_POLICIES, default=None,
-                   help="default: priority under --scheduling-policy priority, else newest")
-    g.add_argument("--output-len-predictor", choices=PREDICTORS, default=d.output_len_predictor)
-    g.add_argument("--sjf-aging-rate", type=float, default=d.sjf_aging_rate,
-                   help="sjf: tokens of predicted work forgiven per second waited")
-    g.add_argument("--tenant-weights", type=parse_tenant_weights, default=(),
-                   help="fair: TENANT=W,... or a JSON file; tenants are the workload's users")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching)
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     """Everything a simulated run takes: workload, scheduler, cost model, strategy, output."""
     add_workload_args(parser)
     add_scheduler_args(parser)
+    add_pool_args(parser)
     add_cost_args(parser)
     g = parser.add_argument_group("strategy and limits")
     g.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="continuous")
@@ -123,28 +93,10 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
     if cpu_blocks is None:
         cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
     max_model_len = args.max_model_len or longest
-    config = SchedulerConfig(
-        max_num_batched_tokens=token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len),
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        num_cpu_blocks=cpu_blocks,
-        policy=args.scheduling_policy,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        preemption_mode=args.preemption_mode,
-        enable_prefix_caching=args.enable_prefix_caching,
-        victim_policy=args.victim_policy,
-        output_len_predictor=args.output_len_predictor,
-        sjf_aging_rate=args.sjf_aging_rate,
-        tenant_weights=args.tenant_weights,
-        kv_bytes_per_token=cm.shape.kv_bytes_per_token,
-        flops_per_token=float(cm.shape.dense_flops_per_token),
-        swap_bandwidth=cm.hardware.host_bandwidth,
-        compute_rate=cm.hardware.peak_flops,
-        step_time_target=args.max_step_ms / 1e3 if args.enable_chunked_prefill else 0.0,
-        step_time_prefill_share=args.min_prefill_share,
+    config = scheduler_flags.from_args(
+        args, max_model_len=max_model_len, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=cpu_blocks,
+        kv_bytes_per_token=cm.shape.kv_bytes_per_token, flops_per_token=float(cm.shape.dense_flops_per_token),
+        swap_bandwidth=cm.hardware.host_bandwidth, compute_rate=cm.hardware.peak_flops,
         step_cost=step_model or seeded_model(cm),
     )
     overrides = getattr(args, "config_overrides", None)  # fields without a flag (set by sweeps)
@@ -167,7 +119,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
         model = seeded_model(cm)
         config = scheduler_config_from_args(args, workload, cm, model)
         limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
-        used = config.step_time_target > 0 or config.preemption_mode == "auto"  # else: spare the refits
+        used = config.step_time_limit_s > 0 or config.preemption_mode == "auto"  # else: spare the refits
         return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps,
                          step_model=model if used else None).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding
@@ -177,9 +129,9 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The flags worth recording next to a result."""
     keep = ("num_prompts", "request_rate", "burstiness", "seed", "dataset", "model_shape", "hardware",
-            "dtype", "max_num_batched_tokens", "max_step_ms", "max_num_seqs", "max_model_len", "block_size",
-            "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "preemption_mode",
-            "scheduling_policy", "victim_policy", "output_len_predictor", "sjf_aging_rate",
+            "dtype", "max_num_batched_tokens", "max_step_ms", "min_prefill_share", "max_num_seqs", "max_model_len", "block_size",
+            "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
+            "scheduling_policy", "victim_policy", "aging_period", "priority_preemption_threshold", "output_len_predictor", "sjf_aging_rate",
             "tenant_weights", "enable_prefix_caching", "batch_size", "batch_timeout")
     cfg = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     cfg.update(prompt_len=str(args.prompt_len), output_len=str(args.output_len))

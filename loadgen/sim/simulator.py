@@ -24,6 +24,7 @@ on `max_steps`, `max_time` (virtual seconds) or a stall (no token for a long whi
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.step_fit import OnlineStepCost
+from scheduler.step_cost_fit import OnlineStepCost
 from scheduler.step_records import Record, StepRecorder, scheduler_hello
 
 SIM_TOKEN_ID = 1  # every simulated output token but a request's EOS
@@ -59,8 +60,12 @@ class SimLimits:
 
 
 def scheduler_request(w: WorkloadRequest) -> Request:
-    """The scheduler's view of a workload request; token ids are synthesised if absent."""
-    ids = w.prompt_token_ids if w.prompt_token_ids is not None else [SIM_TOKEN_ID + 1] * w.prompt_len
+    """The scheduler's view of a workload request. Token ids are synthesised if absent, with
+    a first token of the request's own, so that no two synthetic prompts share a prefix (the
+    prefix cache finds only what a workload shares on purpose, as `shared-prefix` does)."""
+    ids = w.prompt_token_ids
+    if ids is None:
+        ids = [SIM_TOKEN_ID + 2 + zlib.crc32(w.request_id.encode())] + [SIM_TOKEN_ID + 1] * (w.prompt_len - 1)
     params = SamplingParams(max_tokens=w.max_tokens or w.output_len, ignore_eos=w.max_tokens is None,
                             priority=w.priority)
     req = Request(request_id=w.request_id, prompt_token_ids=list(ids), sampling_params=params,
@@ -108,7 +113,7 @@ class _Run:
         # the known-token count at which a request samples EOS (absent: never)
         self.eos_at = {w.request_id: w.prompt_len + w.output_len - 1 for w in workload
                        if w.max_tokens is not None and w.max_tokens > w.output_len}
-        self.service: list[ServicePoint] = []
+        self.tenant_service: list[ServicePoint] = []
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
         self.queued: SchedulerOutput | None = None  # with overlap: the plan that runs next
@@ -173,7 +178,7 @@ class _Run:
                                                batch.num_decode_tokens))
         outs = self.sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled), self.now)
         if self.sim.record_service:
-            self.service.append(ServicePoint(self.now, dict(self.sched.service.served),
+            self.tenant_service.append(ServicePoint(self.now, dict(self.sched.fairness_meter.served),
                                              frozenset(r.tenant for r in self.sched.waiting)))
         if self.recorder is not None and (rec := self.recorder.on_output(plan, outs, self.now, seconds)):
             self.step_records.append(rec)
@@ -226,5 +231,5 @@ class _Run:
                            step_hello=hello, step_records=self.step_records)
         result.num_recompute_tokens = stats.num_recompute_tokens
         result.request_stats = [RequestStat.of(r) for r in self.requests.values()]
-        result.service = self.service
+        result.tenant_service = self.tenant_service
         return result

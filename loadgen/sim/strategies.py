@@ -19,11 +19,11 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from common.arith import cdiv
 from loadgen.sim.cost_model import BatchShape, CostModel
 from loadgen.sim.result import KVUsage, SimResult, TimelinePoint, TokenClock
 from loadgen.sim.timeline import FixedBatchRecorder
 from loadgen.workloads import WorkloadRequest
-from scheduler.kv_manager import cdiv
 
 
 @dataclass(frozen=True)

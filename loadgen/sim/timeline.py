@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from common.arith import cdiv
 from loadgen.workloads import WorkloadRequest
-from scheduler.kv_manager import cdiv
 from scheduler.step_records import Record, compact, empty_record, hello
 
 TIMELINE_FORMAT = "stepserve-timeline"

@@ -53,7 +53,7 @@ _NO_MATPLOTLIB = """
 import sys
 sys.modules["matplotlib"] = None  # as if the plots extra were not installed
 from loadgen.sim.cli import main as simulate
-from loadgen.poisson import main as bench
+from loadgen.bench import main as bench
 run = ["--num-prompts", "5", "--request-rate", "inf", "--prompt-len", "16", "--output-len", "4"]
 print("plain", simulate(run))
 print("timeline", simulate([*run, "--timeline", "t.png"]))

@@ -72,7 +72,7 @@ def test_worker_step_compares_chunk_attention_on_one_runner(monkeypatch: pytest.
     turn in alternating order, and leaves the chunk kernel on."""
     import torch
 
-    from worker.cpu_kernels import available
+    from worker.kernels.build import available
 
     if not available()[0]:
         pytest.skip(f"cpu attention unavailable: {available()[1]}")

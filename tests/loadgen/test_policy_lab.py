@@ -118,12 +118,12 @@ def test_sjf_meets_the_issue_targets_at_the_largest_variance() -> None:
 def test_simulator_stops_by_eos_before_a_declared_bound_and_keeps_tenants() -> None:
     cm = CostModel(get_model_shape("llama-3.1-8b"), get_hardware("a100"), 16)
     wl = [WorkloadRequest(f"r{i}", 0.1 * i, 20, 5 + i, user=f"u{i % 2}", max_tokens=100) for i in range(6)]
-    cfg = SchedulerConfig(max_model_len=120, num_gpu_blocks=64, policy="sjf")
+    cfg = SchedulerConfig(max_model_len=120, num_gpu_blocks=64, scheduling_policy="sjf")
     result = Simulator(cfg, cm, check_integrity=True, record_service=True).run(wl)
     assert not result.unfinished
     assert [r.output_tokens for r in result.records] == [5 + i for i in range(6)]
     assert {s.request_id: s.tenant for s in result.request_stats} == {f"r{i}": f"u{i % 2}" for i in range(6)}
-    assert result.service[-1].served == {"u0": 3 * 20 + 2 * (5 + 7 + 9), "u1": 3 * 20 + 2 * (6 + 8 + 10)}
+    assert result.tenant_service[-1].served == {"u0": 3 * 20 + 2 * (5 + 7 + 9), "u1": 3 * 20 + 2 * (6 + 8 + 10)}
 
 
 def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:

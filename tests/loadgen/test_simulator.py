@@ -142,8 +142,9 @@ def test_sweep_parameters_reach_config_and_workload() -> None:
     args = _args([])
     assert with_param(args, "token_budget", "512").max_num_batched_tokens == 512
     assert with_param(args, "prompt_len_max", "64").prompt_len == LengthDist("fixed", 64)
-    assert with_param(args, "aging_period", "2.5").config_overrides == {"aging_period": 2.5}
-    assert with_param(args, "enable-prefix-caching", "true").enable_prefix_caching is True
+    assert with_param(args, "aging_period", "2.5").aging_period == 2.5
+    assert with_param(args, "fair_output_weight", "3").config_overrides == {"fair_output_weight": 3.0}
+    assert with_param(args, "enable-prefix-caching", "false").enable_prefix_caching is False
     with pytest.raises(ValueError, match="unknown sweep parameter"):
         with_param(args, "warp_factor", "9")
 

@@ -15,8 +15,8 @@ from record_schema import check_step
 from loadgen.sim.cli import main as simulate_main
 from loadgen.sim.scenarios import parse_with_scenario
 from loadgen.sim.setup import add_run_args
-from service.view import TIMELINE_PATH, create_view_app
-from service.view import main as view_main
+from service.cli.view import TIMELINE_PATH, create_view_app
+from service.cli.view import main as view_main
 
 
 @pytest.fixture(scope="module")

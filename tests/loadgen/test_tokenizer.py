@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.tokenizer import ClientTokenizer, default_gguf, load_tokenizer
+from common.model_files import find_default_model
+from loadgen.tokenizer import ClientTokenizer, load_tokenizer
 
 TEXTS = ["Hello world, this is 1234 a test.", "<|im_start|>user\nhi<|im_end|>\n",
          "  spaces   and\ttabs\n\nnewlines", "émoji 😀 naïve café 中文", "def f(x):\n    return x**2"]
@@ -18,7 +19,7 @@ def ours() -> ClientTokenizer:
 
 
 def test_gguf_tokenizer_matches_the_workers(ours: ClientTokenizer) -> None:
-    from worker.tokenizer import load_tokenizer as worker_tokenizer
+    from common.tokenizer import load_tokenizer as worker_tokenizer
 
     theirs = worker_tokenizer()
     assert ours.vocab_size == len(theirs)
@@ -36,4 +37,4 @@ def test_hf_directory_and_errors(ours: ClientTokenizer, tmp_path: Path) -> None:
     assert again.encode(TEXTS[0]) == tok.encode(TEXTS[0])
     with pytest.raises(FileNotFoundError, match="no such tokenizer"):
         load_tokenizer(tmp_path / "missing")
-    assert default_gguf().suffix == ".gguf"
+    assert find_default_model().suffix == ".gguf"

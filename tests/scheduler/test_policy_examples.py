@@ -12,7 +12,7 @@ import pytest
 from sched_driver import MirrorWorker, make_request
 
 from scheduler import Request, Scheduler, SchedulerConfig
-from scheduler.policies import pick_victim
+from scheduler.victims import pick_victim
 
 Spec = tuple[str, int, int, int, str]  # id, arrival step, prompt, max_tokens, tenant
 
@@ -52,7 +52,7 @@ def test_sjf_with_aging_hand_computed_order() -> None:
     """
     specs: list[Spec] = [("B0", 0, 4, 30, "t"), ("L", 1, 10, 50, "t"), ("S1", 10, 2, 3, "t"),
                          ("S2", 20, 2, 3, "t"), ("S3", 29, 2, 3, "t")]
-    sjf = _first_steps(_serial(policy="sjf", sjf_aging_rate=2.0, output_len_predictor="max_tokens"), specs)
+    sjf = _first_steps(_serial(scheduling_policy="sjf", sjf_aging_rate=2.0, output_len_predictor="max_tokens"), specs)
     assert sjf == {"B0": 0, "S1": 30, "S2": 33, "L": 36, "S3": 86}
     fcfs = _first_steps(_serial(), specs)
     assert fcfs == {"B0": 0, "L": 30, "S1": 80, "S2": 83, "S3": 86}
@@ -69,7 +69,7 @@ def test_sjf_learned_predictor_ranks_by_the_tenants_history() -> None:
     mean), 4 (short's) and 22 (bucket 2 over s1 s2 l1 l2: (4+4+40+40)/4); blk was predicted
     22 too. At step 128: short (128-131), new (132-147), long (148-187). FCFS: long first.
     Errors: 36 + 36 + 0 + 0 (first four) + 18 (blk) + 0 + 6 (new) + 0 = 96 over 8."""
-    cfg = _serial(policy="sjf", sjf_aging_rate=0.001)
+    cfg = _serial(scheduling_policy="sjf", sjf_aging_rate=0.001)
     specs = [("s1", 0, "short"), ("s2", 0, "short"), ("l1", 0, "long"), ("l2", 0, "long"),
              ("blk", 88, "blk"), ("long", 90, "long"), ("short", 91, "short"), ("new", 92, "new")]
     stop_at = {"s1": 4, "s2": 4, "short": 4, "new": 16}  # outputs, the last one EOS
@@ -107,7 +107,7 @@ def test_fair_hand_computed_counters_and_lift() -> None:
     specs: list[Spec] = [("A1", 0, 4, 2, "A"), ("A2", 0, 4, 2, "A"), ("A3", 0, 4, 2, "A"),
                          ("B1", 0, 4, 2, "B"), ("B2", 0, 4, 2, "B"), ("A4", 9, 4, 2, "A"),
                          ("C1", 9, 4, 2, "C"), ("C2", 9, 4, 2, "C"), ("C3", 9, 4, 2, "C")]
-    first = _first_steps(_serial(policy="fair"), specs)
+    first = _first_steps(_serial(scheduling_policy="fair"), specs)
     assert sorted(first, key=first.__getitem__) == ["A1", "B1", "A2", "B2", "A3", "C1", "A4", "C2", "C3"]
     assert first["C1"] == 10 and first["A4"] == 12
 
@@ -117,7 +117,7 @@ def test_fair_tenant_weights_share_two_to_one() -> None:
     (A=8), A3 (tie at 8, A's head older: A=12), B2 (B=16), A4."""
     specs: list[Spec] = [*[(f"A{i}", 0, 4, 2, "A") for i in range(1, 5)],
                          ("B1", 0, 4, 2, "B"), ("B2", 0, 4, 2, "B")]
-    first = _first_steps(_serial(policy="fair", tenant_weights=(("A", 2.0),)), specs)
+    first = _first_steps(_serial(scheduling_policy="fair", tenant_weights=(("A", 2.0),)), specs)
     assert sorted(first, key=first.__getitem__) == ["A1", "B1", "A2", "A3", "B2", "A4"]
 
 
@@ -125,13 +125,13 @@ def test_fair_admits_alternately_within_one_step() -> None:
     """Counters move at admission, so one step's admissions alternate between tenants:
     budget 12, four requests of 4 prompt tokens each: A1 (A=4), B1 (B=4), A2 (A=8)."""
     cfg = SchedulerConfig(max_num_batched_tokens=12, max_model_len=64, block_size=4, num_gpu_blocks=64,
-                          policy="fair")
+                          scheduling_policy="fair")
     sched = Scheduler(cfg)
     for rid, tenant in (("A1", "A"), ("A2", "A"), ("A3", "A"), ("B1", "B"), ("B2", "B")):
         sched.add_request(make_request(rid, 4, 2, tenant=tenant))
     plan = sched.schedule(now=0.0)
     assert [d.req_id for d in plan.scheduled_new_reqs] == ["A1", "B1", "A2"]
-    assert sched.service.served == {"A": 8 + 2 * 2, "B": 4 + 2}  # prompts + one sample each
+    assert sched.fairness_meter.served == {"A": 8 + 2 * 2, "B": 4 + 2}  # prompts + one sample each
 
 
 def _running(rid: str, admit: int, prompt: int, outputs: int, predicted: int, priority: int = 0) -> Request:

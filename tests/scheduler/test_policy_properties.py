@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_driver import EOS, MirrorWorker, make_request
 
+from common.arith import cdiv
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.config import PREDICTORS, VICTIM_POLICIES
 from scheduler.fairness import FairQueue, vtc_bound
-from scheduler.kv_manager import cdiv
 
 EXAMPLES = int(os.environ.get("STEPSERVE_HYPOTHESIS_EXAMPLES", "300"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,7 +69,7 @@ def scenarios(draw: st.DrawFn, policy: str) -> tuple[SchedulerConfig, list[Spec]
         block_size=block_size,
         num_gpu_blocks=max(cdiv(r.prompt_len + r.max_tokens, block_size) for r in reqs) + draw(st.integers(0, 12)),
         num_cpu_blocks=0 if mode == "recompute" else 40,
-        policy=policy,  # type: ignore[arg-type]
+        scheduling_policy=policy,  # type: ignore[arg-type]
         preemption_mode=mode,  # type: ignore[arg-type]
         enable_prefix_caching=draw(st.booleans()),
         victim_policy=draw(st.sampled_from(VICTIM_POLICIES)),
@@ -173,7 +173,7 @@ class _CheckedFairQueue(FairQueue):
 def test_vtc_counter_rules(scenario: tuple[SchedulerConfig, list[Spec]]) -> None:
     cfg, specs_ = scenario
     sched, reqs = Scheduler(cfg), _requests(specs_)
-    queue = _CheckedFairQueue(sched.service, cfg.tenant_weights)
+    queue = _CheckedFairQueue(sched.fairness_meter, cfg.tenant_weights)
     sched.waiting = queue
     seen: dict[str, float] = {}
 
@@ -188,7 +188,7 @@ def test_vtc_counter_rules(scenario: tuple[SchedulerConfig, list[Spec]]) -> None
     for r in reqs.values():  # each prompt token once, each output token once
         cost = r.num_prompt_tokens * cfg.fair_prompt_weight + r.num_output_tokens * cfg.fair_output_weight
         expected[r.tenant] = expected.get(r.tenant, 0.0) + cost
-    assert {t: v for t, v in sched.service.served.items() if v} == pytest.approx({t: v for t, v in expected.items() if v})
+    assert {t: v for t, v in sched.fairness_meter.served.items() if v} == pytest.approx({t: v for t, v in expected.items() if v})
 
 
 @st.composite
@@ -200,7 +200,7 @@ def backlogged_pairs(draw: st.DrawFn) -> tuple[SchedulerConfig, list[tuple[int, 
     cfg = SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(8, 128)), max_num_seqs=draw(st.integers(1, 16)),
         max_model_len=longest, block_size=block_size,
-        num_gpu_blocks=cdiv(longest, block_size) + draw(st.integers(0, 30)), policy="fair",
+        num_gpu_blocks=cdiv(longest, block_size) + draw(st.integers(0, 30)), scheduling_policy="fair",
         victim_policy=draw(st.sampled_from(VICTIM_POLICIES)),
         tenant_weights=draw(st.sampled_from([(), (("a", 2.0),), (("b", 3.0),)])),
     )
@@ -217,12 +217,12 @@ def test_vtc_service_gap_within_bound_while_both_backlogged(
     for i, (p, o, tenant) in enumerate(specs_):
         sched.add_request(make_request(f"q{i}", p, o, tenant=tenant))
     weights = dict(cfg.tenant_weights)
-    largest = max(sched.service.request_cost(p, o) for p, o, _ in specs_)
+    largest = max(sched.fairness_meter.request_cost(p, o) for p, o, _ in specs_)
     w = MirrorWorker(cfg.block_size, cfg.num_gpu_blocks)
     gaps: list[float] = []
     t = 0
     while set(sched.waiting.backlogged()) == {"a", "b"}:  # type: ignore[union-attr]
-        served = sched.service.served
+        served = sched.fairness_meter.served
         gaps.append(served.get("a", 0.0) / weights.get("a", 1.0) - served.get("b", 0.0) / weights.get("b", 1.0))
         plan = sched.schedule(now=float(t))
         sched.update_from_output(plan, w.execute(plan), now=float(t))

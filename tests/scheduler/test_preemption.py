@@ -89,7 +89,7 @@ def test_auto_mode_follows_cost_estimate(bandwidth: float, expect_swap: bool) ->
 
 
 def test_priority_victim_is_least_urgent_then_youngest() -> None:
-    s = _tight(policy="priority")
+    s = _tight(scheduling_policy="priority")
     w = MirrorWorker(16, 8)
     s.add_request(make_request("low-old", 30, 60, arrival=0.0, priority=5))
     s.add_request(make_request("urgent", 30, 60, arrival=0.1, priority=0))
@@ -103,7 +103,7 @@ def test_aging_admits_low_priority_under_constant_urgent_stream() -> None:
     """One slot (max_num_seqs=1); a new priority-0 request arrives every step. Without
     aging the priority-10 request would wait forever; with aging_period=2 steps it gains a
     level every 2 steps and gets in once it outranks the stream's fresh arrivals."""
-    s = _tight(policy="priority", max_num_seqs=1, aging_period=2.0, num_gpu_blocks=64)
+    s = _tight(scheduling_policy="priority", max_num_seqs=1, aging_period=2.0, num_gpu_blocks=64)
     w = MirrorWorker(16, 64)
     low = make_request("low", 8, 1, arrival=0.0, priority=10)
     s.add_request(low)
@@ -118,7 +118,7 @@ def test_aging_admits_low_priority_under_constant_urgent_stream() -> None:
 
 
 def test_priority_preemption_threshold() -> None:
-    s = _tight(policy="priority", priority_preemption_threshold=3, max_num_seqs=1, num_gpu_blocks=64)
+    s = _tight(scheduling_policy="priority", priority_preemption_threshold=3, max_num_seqs=1, num_gpu_blocks=64)
     w = MirrorWorker(16, 64)
     s.add_request(make_request("bg", 8, 50, arrival=0.0, priority=5))
     plan = s.schedule(now=0)

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_driver import EOS, MirrorWorker, make_request
 
+from common.arith import cdiv
 from scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
-from scheduler.config import POLICIES, PREDICTORS, VICTIM_POLICIES
-from scheduler.kv_manager import cdiv
+from scheduler.config import PREDICTORS, SCHEDULING_POLICIES, VICTIM_POLICIES
 
 
 @dataclass
@@ -54,7 +54,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
     min_blocks = max(cdiv(r.prompt_len + r.max_tokens, block_size) for r in reqs)
     chunked = draw(st.booleans())
     mode = draw(st.sampled_from(["recompute", "swap", "auto"]))
-    policy = draw(st.sampled_from(POLICIES))
+    policy = draw(st.sampled_from(SCHEDULING_POLICIES))
     budget = draw(st.integers(4, 128))
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget if chunked else max(budget, longest),
@@ -63,7 +63,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
         block_size=block_size,
         num_gpu_blocks=min_blocks + draw(st.integers(0, 20)),
         num_cpu_blocks=0 if mode == "recompute" else draw(st.integers(1, 40)),
-        policy=policy,
+        scheduling_policy=policy,
         aging_period=draw(st.sampled_from([1.0, 5.0, 100.0])),
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 5, 17])) if chunked else 0,

@@ -28,7 +28,7 @@ def _sched(**kw: object) -> Scheduler:
         ({"block_size": 0}, "block_size"),
         ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
         ({"num_cpu_blocks": -1}, "num_cpu_blocks"),
-        ({"policy": "lifo"}, "policy"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
         ({"preemption_mode": "swap"}, "num_cpu_blocks"),
         ({"preemption_mode": "drop", "num_cpu_blocks": 4}, "preemption_mode"),
         ({"aging_period": 0}, "aging_period"),

@@ -11,7 +11,6 @@ import pytest
 from sched_driver import MirrorWorker, drive, make_request
 
 from scheduler import RequestStatus, Scheduler, SchedulerConfig
-from scheduler.step_calibration import PREFIX, calibration_steps, finish_plan
 from scheduler.step_cost import (
     BatchShape,
     flop_rate_cost,
@@ -19,9 +18,10 @@ from scheduler.step_cost import (
     swap_is_cheaper,
     swap_time,
 )
-from scheduler.step_fit import OnlineStepCost
+from scheduler.step_cost_calibration import PREFIX, calibration_steps, finish_plan
+from scheduler.step_cost_fit import OnlineStepCost
 from worker.config import WorkerConfig
-from worker.instant_runner import InstantRunner
+from worker.execution.instant_runner import InstantRunner
 
 KV_BYTES = 131072
 # A slow host link: 2 * 131072 B / 87.4 MB/s = 3 ms per token to swap out and back in
@@ -58,7 +58,7 @@ def _victim_status(prompt_len: int, num_blocks: int) -> RequestStatus:
     """Three requests outgrow the KV cache; the auto mode decides for the first victim."""
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, num_gpu_blocks=num_blocks, num_cpu_blocks=200,
                                   block_size=16, max_model_len=2048, preemption_mode="auto",
-                                  kv_bytes_per_token=KV_BYTES, swap_bandwidth=BANDWIDTH, step_cost=_measured_model()))
+                                  kv_bytes_per_token=KV_BYTES, swap_bandwidth=BANDWIDTH, step_cost=_measured_model(), max_step_ms=0))
     w = MirrorWorker(16, num_blocks)
     for i in range(3):
         s.add_request(make_request(f"r{i}", prompt_len, 60))

@@ -37,7 +37,8 @@ def _run(sched: Scheduler, worker: MirrorWorker, recorder: StepRecorder, steps: 
 
 
 def _worked_example() -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=8, num_gpu_blocks=6, block_size=16, max_model_len=128)
+    cfg = SchedulerConfig(max_num_batched_tokens=8, num_gpu_blocks=6, block_size=16, max_model_len=128,
+                          enable_prefix_caching=False)
     sched = Scheduler(cfg)
     for rid, (p, o) in {"R1": (16, 32), "R2": (8, 8), "R3": (32, 16), "R4": (8, 64), "R5": (16, 8)}.items():
         sched.add_request(make_request(rid, p, o))
@@ -117,7 +118,7 @@ def test_prefix_shared_and_cached_blocks() -> None:
 
 def test_priority_preemption_names_its_cause() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=40, block_size=4, max_model_len=64,
-                          max_num_seqs=1, policy="priority", priority_preemption_threshold=1)
+                          max_num_seqs=1, scheduling_policy="priority", priority_preemption_threshold=1)
     sched = Scheduler(cfg)
     sched.add_request(make_request("low", 8, 20, priority=5))
     worker, recorder = MirrorWorker(4, 40), StepRecorder(sched)
@@ -152,7 +153,7 @@ def test_compact_leaves_out_only_empty_values() -> None:
 
 def test_the_page_knows_every_record_key() -> None:
     """The dashboard fills left-out keys from its own copy of the empty record."""
-    js = (REPO / "service/dashboard/model.js").read_text()
+    js = (REPO / "service/http/dashboard/model.js").read_text()
     body = re.search(r"EMPTY_STEP = \{(.*?)\};", js, re.S)
     assert body is not None
     keys = set(re.findall(r"(\w+):", body.group(1)))

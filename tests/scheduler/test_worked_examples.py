@@ -69,7 +69,8 @@ TOTAL_STEPS = 84
 
 
 def _example_scheduler() -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=8, num_gpu_blocks=6, block_size=16, max_model_len=128)
+    cfg = SchedulerConfig(max_num_batched_tokens=8, num_gpu_blocks=6, block_size=16, max_model_len=128,
+                          enable_prefix_caching=False)
     sched = Scheduler(cfg)
     for rid, (p, o) in {"R1": (16, 32), "R2": (8, 8), "R3": (32, 16), "R4": (8, 64), "R5": (16, 8)}.items():
         sched.add_request(make_request(rid, p, o))

@@ -24,24 +24,23 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from worker_modes import REFERENCE_FLAGS
 
-from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
-from service.app import create_app
-from service.engine import AsyncEngine
-from service.metrics import ServiceMetrics
-from service.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState
-from service.stream import DEFAULT_MAX_BUFFERED_TOKENS
-from worker.config import WorkerConfig
+from service.cli.serve_args import build_parser
+from service.engine.loop import AsyncEngine
+from service.engine.metrics import ServiceMetrics
+from service.engine.stream import DEFAULT_MAX_BUFFERED_TOKENS
+from service.http.app import create_app
+from service.http.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState
 
 REPO = Path(__file__).resolve().parents[2]
-INSTANT = "worker.instant_runner:InstantRunner"
+INSTANT = "worker.execution.instant_runner:InstantRunner"
 DEBUG_CONFIG = AppConfig(enable_debug_endpoints=True)
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     """The default model's tokenizer (cached as an HF dir after the first GGUF parse)."""
-    from worker.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
 
     return load_tokenizer()
 
@@ -58,31 +57,36 @@ class InstantSetup:
     runner: str = INSTANT  # "module:callable" the worker builds its runner with
     swap_space: float = 0.0  # GiB of host swap slots
     preemption_mode: str = "recompute"
-    policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"
     priority_preemption_threshold: int | None = None
     max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
 
 
+def instant_flags(setup: InstantSetup) -> list[str]:
+    """The `stepserve serve` flags that describe `setup`."""
+    flags = ["--kv-cache-memory", f"{setup.kv_cache_memory}B", "--max-model-len", str(setup.max_model_len),
+             "--swap-space", str(setup.swap_space), "--max-num-seqs", str(setup.max_num_seqs),
+             "--preemption-mode", setup.preemption_mode, "--scheduling-policy", setup.scheduling_policy]
+    if not setup.enable_prefix_caching:
+        flags.append("--no-enable-prefix-caching")
+    if setup.priority_preemption_threshold is not None:
+        flags += ["--priority-preemption-threshold", str(setup.priority_preemption_threshold)]
+    return flags
+
+
 def instant_factory(tokenizer: Any, setup: InstantSetup = InstantSetup()) -> EngineFactory:
-    """An engine factory whose worker is a real process running `InstantRunner`."""
-    from worker.client import WorkerClient
+    """An engine factory whose worker is a real process running `InstantRunner`, configured
+    from `stepserve serve` flags the way the server is (without the step-time budget: the
+    instant worker's steps take no time to fit a model to)."""
+    from service.cli.serve import scheduler_config, worker_config
+    from worker.process.client import WorkerClient
+
+    args = build_parser().parse_args(instant_flags(setup))
 
     async def build() -> LoadedEngine:
-        worker_config = WorkerConfig(kv_cache_memory=setup.kv_cache_memory, max_model_len=setup.max_model_len,
-                                     swap_space=setup.swap_space)
-        worker = WorkerClient(worker_config, setup.runner)
+        worker = WorkerClient(worker_config(args), setup.runner)
         info = await worker.start()
-        config = SchedulerConfig(
-            max_num_seqs=setup.max_num_seqs,
-            max_model_len=info.max_model_len,
-            num_gpu_blocks=info.num_gpu_blocks,
-            num_cpu_blocks=info.num_cpu_blocks,
-            block_size=info.block_size,
-            enable_prefix_caching=setup.enable_prefix_caching,
-            preemption_mode=setup.preemption_mode,  # type: ignore[arg-type]
-            policy=setup.policy,  # type: ignore[arg-type]
-            priority_preemption_threshold=setup.priority_preemption_threshold,
-        )
+        config = scheduler_config(args, info)
         engine = AsyncEngine(
             Scheduler(config),
             worker,

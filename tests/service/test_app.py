@@ -13,8 +13,8 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.detokenizer import decode
-from service.state import ServiceState
+from service.engine.detokenizer import decode
+from service.http.state import ServiceState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
-from service.app import create_app
-from service.state import STATE, AppConfig, LoadedEngine, Status
+from service.http.app import create_app
+from service.http.state import STATE, AppConfig, LoadedEngine, Status
 
 LONG = {"prompt": "Hello there", "max_tokens": 8000, "ignore_eos": True, "stream": True}
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from service.cli_args import build_parser
-from service.metrics import ServiceMetrics
+from service.cli.serve_args import build_parser
+from service.engine.metrics import ServiceMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,5 +111,5 @@ def test_image_has_a_compiler_and_the_kernel_sources() -> None:
     import tomllib
 
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "csrc/*.cpp" in data["tool"]["setuptools"]["package-data"]["worker"]
-    assert list((REPO / "worker" / "csrc").glob("*.cpp"))
+    assert "csrc/*.cpp" in data["tool"]["setuptools"]["package-data"]["worker.kernels"]
+    assert list((REPO / "worker" / "kernels" / "csrc").glob("*.cpp"))

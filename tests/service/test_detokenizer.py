@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.detokenizer import (
+from service.engine.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,

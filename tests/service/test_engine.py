@@ -18,13 +18,13 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
-from service.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from service.engine import AsyncEngine
-from service.stream import EngineDeadError, ReaderTooSlowError
-from worker.client import WorkerClient
+from service.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from service.engine.loop import AsyncEngine
+from service.engine.stream import EngineDeadError, ReaderTooSlowError
 from worker.config import WorkerConfig
+from worker.process.client import WorkerClient
 
-INSTANT = "worker.instant_runner:InstantRunner"
+INSTANT = "worker.execution.instant_runner:InstantRunner"
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from standin_runners import EOS_AFTER
 
 from scheduler.scheduler import Scheduler
-from worker.instant_runner import INSTANT_KV_BYTES_PER_TOKEN
+from worker.execution.instant_runner import INSTANT_KV_BYTES_PER_TOKEN
 
 BLOCK_BYTES = 16 * INSTANT_KV_BYTES_PER_TOKEN  # one KV block of the default block size
 
@@ -90,7 +90,7 @@ async def test_swap_preemption_keeps_every_output(make_client: Any, setup_cls: A
 async def test_urgent_request_preempts_a_running_one(make_client: Any, setup_cls: Any, settled_kv: Any) -> None:
     """One running slot: an urgent request arriving while a long low-priority one runs is
     served at once (the long one is preempted and resumes after, its output unchanged)."""
-    setup = setup_cls(max_num_seqs=1, policy="priority", priority_preemption_threshold=1,
+    setup = setup_cls(max_num_seqs=1, scheduling_policy="priority", priority_preemption_threshold=1,
                       max_model_len=4096, kv_cache_memory=400 << 20)
     async with make_client(setup=setup) as (client, state):
         scheduler: Scheduler = state.loaded.engine.scheduler  # type: ignore[union-attr,assignment]

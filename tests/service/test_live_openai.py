@@ -44,7 +44,7 @@ def test_streaming_completion_matches_whole(client: openai.OpenAI) -> None:
 
 
 def test_chat_whole_and_streaming(client: openai.OpenAI, tokenizer: Any) -> None:
-    from worker.tokenizer import apply_chat_template
+    from common.tokenizer import apply_chat_template
 
     whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)  # type: ignore[arg-type]
     message = whole.choices[0].message

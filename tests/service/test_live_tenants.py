@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-INSTANT_ARGS = ("--worker-runner", "worker.instant_runner:InstantRunner", "--kv-cache-memory", "512MiB")
+INSTANT_ARGS = ("--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "512MiB")
 
 
 def test_user_field_is_the_fair_schedulers_tenant(tmp_path: Path, start_server: Any) -> None:

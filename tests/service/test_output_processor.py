@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from scheduler.output import RequestOutput
-from service.metrics import ServiceMetrics, observe_all
-from service.output_processor import OutputProcessor
-from service.stream import RequestStream
+from service.engine.metrics import ServiceMetrics, observe_all
+from service.engine.output_processor import OutputProcessor
+from service.engine.stream import RequestStream
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scheduler.stats import SchedulerStats
-from service.metrics import ServiceMetrics
+from service.engine.metrics import ServiceMetrics
 
 
 def _stats(scored: int, error: float, recompute: int) -> SchedulerStats:

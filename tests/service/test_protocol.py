@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from scheduler.sampling import SamplingParamsError
-from service.errors import APIError, from_validation_error
-from service.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
+from service.http.errors import APIError, from_validation_error
+from service.http.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
 
 
 def test_sampling_params_carry_every_field() -> None:

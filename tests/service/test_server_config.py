@@ -7,9 +7,9 @@ import gc
 
 import pytest
 
-from service.cli_args import build_parser
-from service.server import GC_GEN0_THRESHOLD, freeze_startup_heap, scheduler_config
-from service.server import main as serve_main
+from service.cli.serve import GC_GEN0_THRESHOLD, freeze_startup_heap, scheduler_config
+from service.cli.serve import main as serve_main
+from service.cli.serve_args import build_parser
 from worker.config import WorkerInfo
 
 
@@ -34,7 +34,7 @@ def test_token_budget_defaults_follow_chunked_prefill(capsys: pytest.CaptureFixt
     explicit = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024"])
     assert scheduler_config(explicit, _info(512)).max_num_batched_tokens == 1024
     assert serve_main(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-model-len", "4096"]) == 2
-    assert "must be >= max_model_len" in capsys.readouterr().err
+    assert "--max-num-batched-tokens (1024) must be >= --max-model-len (4096)" in capsys.readouterr().err
 
 
 def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,7 +42,7 @@ def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytes
     args = parser.parse_args(["--scheduling-policy", "sjf", "--victim-policy", "least_remaining",
                               "--output-len-predictor", "max_tokens", "--sjf-aging-rate", "5"])
     config = scheduler_config(args, _info(1024))
-    assert (config.policy, config.victim_policy, config.output_len_predictor, config.sjf_aging_rate) == (
+    assert (config.scheduling_policy, config.victim_policy, config.output_len_predictor, config.sjf_aging_rate) == (
         "sjf", "least_remaining", "max_tokens", 5.0)
     weights = tmp_path / "w.json"  # type: ignore[operator]
     weights.write_text('{"alice": 2, "bob": 0.5}')
@@ -52,10 +52,12 @@ def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytes
     with pytest.raises(SystemExit):
         parser.parse_args(["--tenant-weights", "alice"])
     assert "not TENANT=WEIGHT" in capsys.readouterr().err
-    assert serve_main(["--scheduling-policy", "fair", "--tenant-weights", "alice=0"]) == 2
-    assert "must be > 0" in capsys.readouterr().err
-    assert serve_main(["--sjf-aging-rate", "0"]) == 2
-    assert "sjf_aging_rate" in capsys.readouterr().err
+    for bad, flag in ((["--scheduling-policy", "fair", "--tenant-weights", "alice=0"], "--tenant-weights"),
+                      (["--sjf-aging-rate", "0"], "--sjf-aging-rate")):
+        with pytest.raises(SystemExit) as exc:
+            serve_main(bad)
+        assert exc.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_aging_and_priority_preemption_flags_reach_the_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,10 +67,10 @@ def test_aging_and_priority_preemption_flags_reach_the_scheduler(capsys: pytest.
     args = parser.parse_args(["--scheduling-policy", "priority", "--aging-period", "2.5",
                               "--priority-preemption-threshold", "3"])
     config = scheduler_config(args, _info(8192))
-    assert (config.policy, config.aging_period, config.priority_preemption_threshold) == ("priority", 2.5, 3)
+    assert (config.scheduling_policy, config.aging_period, config.priority_preemption_threshold) == ("priority", 2.5, 3)
     # a threshold without the priority policy is refused before the model loads
     assert serve_main(["--priority-preemption-threshold", "3"]) == 2
-    assert "needs policy='priority'" in capsys.readouterr().err
+    assert "--priority-preemption-threshold needs --scheduling-policy='priority'" in capsys.readouterr().err
     for bad in (["--aging-period", "0"], ["--stream-stall-timeout", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

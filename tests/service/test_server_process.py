@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-INSTANT_ARGS = ("--worker-runner", "worker.instant_runner:InstantRunner", "--kv-cache-memory", "512MiB")
+INSTANT_ARGS = ("--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "512MiB")
 
 
 def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -128,7 +128,7 @@ def test_sigterm_drains_several_streams_and_exits_0(tmp_path: Path, start_server
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tmp_path: Path, start_server: Any) -> None:
     """8000 tokens per stream take seconds even on the instant worker; after a 1 s drain
     they are aborted: each stream still ends properly, and the server exits 0."""
-    server = start_server(tmp_path, "--worker-runner", "worker.instant_runner:InstantRunner",
+    server = start_server(tmp_path, "--worker-runner", "worker.execution.instant_runner:InstantRunner",
                           "--kv-cache-memory", "2GiB", "--shutdown-timeout", "1")
     readers = _start_readers(server.port, 3, 8000)
     signalled = time.monotonic()

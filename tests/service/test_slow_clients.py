@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 from aiohttp.client_exceptions import ClientConnectionResetError
 
-from service.sse import DONE
-from service.stall import GuardedWriter
-from service.state import AppConfig
+from service.http.sse import DONE
+from service.http.stall import GuardedWriter
+from service.http.state import AppConfig
 
 LONG = {"prompt": "Hello there", "max_tokens": 8000, "ignore_eos": True, "stream": True, "logprobs": 5}
 # About 2 KB of event per token: no socket buffer can hold a whole 8000-token answer.

@@ -17,9 +17,9 @@ from sched_driver import MirrorWorker, make_request
 
 from scheduler import Scheduler, SchedulerConfig
 from scheduler.step_records import empty_record
-from service.dashboard_routes import COOKIE, cookie_token
-from service.state import AppConfig
-from service.step_records import StepRecordHub
+from service.engine.step_record_hub import StepRecordHub
+from service.http.dashboard_routes import COOKIE, cookie_token
+from service.http.state import AppConfig
 
 pytestmark = pytest.mark.asyncio
 MODEL = "instant"

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from scheduler.output import TokenLogprobs
-from service.stream import EngineDeadError, RequestStream
+from service.engine.stream import EngineDeadError, RequestStream
 
 LP = TokenLogprobs(0.0, ())
 

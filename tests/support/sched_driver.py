@@ -13,8 +13,8 @@ import torch
 
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerOutput
 from scheduler.output import TokenLogprobs
-from worker.input_batch import InputBatch, RequestState, StepInputs
-from worker.step_executor import PlanRunner, StepExecutor
+from worker.execution.input_batch import InputBatch, RequestState, StepInputs
+from worker.execution.step_executor import PlanRunner, StepExecutor
 
 EOS = 2
 
@@ -39,7 +39,7 @@ def make_request(
 
 
 class MirrorWorker(PlanRunner):
-    """A model-free worker: the real plan consumer (`worker.step_executor` over the real
+    """A model-free worker: the real plan consumer (`worker.execution.step_executor` over the real
     `InputBatch`) with a model whose tokens come from `next_token(req_id, position)` and
     whose "KV cache" records which token prefix wrote each slot.
 

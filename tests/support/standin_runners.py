@@ -1,6 +1,6 @@
 """Runner factories for the spawned worker in service tests ("standin_runners:NAME").
 
-They only choose options of the instant stand-in (`worker.instant_runner.InstantRunner`),
+They only choose options of the instant stand-in (`worker.execution.instant_runner.InstantRunner`),
 so tests that use them keep working however the stand-in applies plans inside. The
 spawned worker finds this module because pytest puts tests/support on `sys.path` and a
 spawned child inherits its parent's path.
@@ -9,7 +9,7 @@ spawned child inherits its parent's path.
 from __future__ import annotations
 
 from worker.config import WorkerConfig
-from worker.instant_runner import InstantRunner
+from worker.execution.instant_runner import InstantRunner
 
 EOS_AFTER = 5  # the fifth output token of every request is EOS
 

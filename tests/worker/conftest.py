@@ -191,7 +191,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(model_cache: Path) -> Any:
-    from worker.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
 
     return load_tokenizer()
 
@@ -200,7 +200,7 @@ def smol_tokenizer(model_cache: Path) -> Any:
 def smol_runner_session() -> Iterator[Any]:
     """The default model on CPU with one torch thread: the suite shares two cores with other
     processes, and oversubscribed BLAS threads spin (4x slower measured); restored after."""
-    from worker.model_runner import ModelRunner
+    from worker.execution.model_runner import ModelRunner
 
     threads = torch.get_num_threads()
     config = WorkerConfig(device="cpu", kv_cache_memory=96 << 20, swap_space=0.03, max_model_len=1024, num_threads=1,

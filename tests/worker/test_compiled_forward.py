@@ -1,4 +1,4 @@
-"""`worker.compiled_forward` with two models of one class in one process (a test session, a
+"""`worker.model.compiled_forward` with two models of one class in one process (a test session, a
 bench comparing two forms): each compiled forward must run its own graph and its own frozen
 weights. The stance the first compile leaves (guards skipped unless they tell graphs apart)
 once made dynamo hand the second model the first one's graph."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from worker import compiled_forward
-from worker.compiled_forward import compile_forward
+from worker.model import compiled_forward
+from worker.model.compiled_forward import compile_forward
 
 pytestmark = pytest.mark.skipif(compiled_forward.compiler_missing() is not None, reason="no C++ compiler")
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from worker.copy_probe import measure_copy_bandwidth
-from worker.kv_cache import KVCache
+from worker.execution.copy_probe import measure_copy_bandwidth
+from worker.execution.kv_cache import KVCache
 
 SHAPE = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from scheduler.sampling import SamplingParams
-from worker.attention import StepAttention, TorchAttention
-from worker.cpu_attention import SMALL_QUERY
-from worker.cpu_kernels import available, isa_flags
-from worker.input_batch import InputBatch, RequestState
+from worker.attention.cpu_backend import SMALL_QUERY
+from worker.attention.step import StepAttention
+from worker.attention.torch_backend import TorchAttention
+from worker.execution.input_batch import InputBatch, RequestState
+from worker.kernels.build import available, isa_flags
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"cpu attention unavailable: {available()[1]}")
 
@@ -36,7 +37,7 @@ def _step(batch: InputBatch, counts: dict[str, tuple[int, int]]) -> tuple[list[t
 @pytest.mark.parametrize("dim", [64, 128, 16])  # the two vectorized head sizes, and the generic loop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_torch_backend(dtype: torch.dtype, dim: int) -> None:
-    from worker.cpu_attention import CpuPagedAttention
+    from worker.attention.cpu_backend import CpuPagedAttention
 
     # decodes at 1, 9 and 37 keys; a short chunk with context; a long one with and without
     counts = {"d1": (0, 1), "d2": (8, 1), "d3": (36, 1), "s": (5, 3), "long0": (0, SMALL_QUERY + 7),
@@ -190,7 +191,7 @@ def test_decode_kernel_output_depends_on_its_request_alone() -> None:
 def test_two_backends_in_one_process_each_use_their_own_cache() -> None:
     """The op keeps one set of caches per process; a backend bound after another's step must
     get its own back (two runners in one process: a test session, a bench comparing two)."""
-    from worker.cpu_attention import CpuPagedAttention
+    from worker.attention.cpu_backend import CpuPagedAttention
 
     batch = InputBatch(128, BS, torch.device("cpu"), num_blocks=BLOCKS)
     scheduled, tokens = _step(batch, {"a": (5, 1), "b": (0, 3)})

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.kv_manager import cdiv
+from common.arith import cdiv
 from scheduler.sampling import SamplingParams
 from worker.config import WorkerConfig
-from worker.input_batch import RequestState
+from worker.execution.input_batch import RequestState
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def fast_runner() -> Any:
     """The defaults, as `stepserve serve` builds them (probe, quantization, compiled forward)."""
-    from worker.model_runner import ModelRunner
+    from worker.execution.model_runner import ModelRunner
 
     return ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=64 << 20, max_model_len=1024, num_threads=2))
 
@@ -178,7 +178,7 @@ def _logits_by_step(runner: Any, prompts: list[list[int]], **cfg: Any) -> dict[t
 def test_batch_invariant_mode_is_bitwise_invariant(fast_runner: Any, smol_tokenizer: Any) -> None:
     """--batch-invariant: logits bitwise equal alone, batched, chunked and recomputed, with
     prompts long enough that the default mode would send their chunks through SDPA."""
-    from worker.cpu_attention import ALL_QUERIES, SMALL_QUERY, CpuPagedAttention
+    from worker.attention.cpu_backend import ALL_QUERIES, SMALL_QUERY, CpuPagedAttention
 
     backend = fast_runner.attention.backend
     if not isinstance(backend, CpuPagedAttention) or fast_runner.info.quantization != "gguf":
@@ -201,9 +201,9 @@ def test_batch_invariant_mode_is_bitwise_invariant(fast_runner: Any, smol_tokeni
 
 
 def test_batch_invariant_flag_is_checked() -> None:
-    from worker.attention import make_attention_backend
-    from worker.cpu_attention import ALL_QUERIES
-    from worker.cpu_kernels import available
+    from worker.attention.cpu_backend import ALL_QUERIES
+    from worker.attention.registry import make_attention_backend
+    from worker.kernels.build import available
 
     with pytest.raises(ValueError, match="batch_invariant needs the GGUF kernel"):
         WorkerConfig(batch_invariant=True, quantization="none")

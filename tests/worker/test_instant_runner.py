@@ -9,8 +9,12 @@ import pytest
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
 from worker.config import WorkerConfig
-from worker.input_batch import PlanError
-from worker.instant_runner import INSTANT_EOS_TOKEN_ID, INSTANT_KV_BYTES_PER_TOKEN, InstantRunner
+from worker.execution.input_batch import PlanError
+from worker.execution.instant_runner import (
+    INSTANT_EOS_TOKEN_ID,
+    INSTANT_KV_BYTES_PER_TOKEN,
+    InstantRunner,
+)
 
 CONFIG = WorkerConfig(block_size=4, kv_cache_memory=64 * 4 * INSTANT_KV_BYTES_PER_TOKEN)
 PROMPT = (7, 8, 9, 10, 11)

@@ -1,5 +1,5 @@
 """The GGUF kernel with int8 activations (csrc/int8_linear.cpp, AVX512-VNNI CPUs): the
-tiled layout `worker.linear.tile_gguf` builds, products against float64 within the bound
+tiled layout `worker.model.linear.tile_gguf` builds, products against float64 within the bound
 the two-level quantization allows (and no tighter path could fail), Q4_0 / Q4_1 / Q8_0 from
 GGUF bytes, row counts around the kernel's passes of 4 rows and outputs that leave a partial
 tile, bitwise batch invariance, and the errors for inputs it cannot run."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf_blocks import gguf_bytes, reference
 
-from worker.cpu_kernels import available
-from worker.linear import GGUFLinear, int8_supported, make_linear, tile_gguf
-from worker.quant import QuantizedWeight, from_gguf, quantize_int4, quantize_int8
+from worker.kernels.build import available
+from worker.model.linear import GGUFLinear, int8_supported, make_linear, tile_gguf
+from worker.model.quant import QuantizedWeight, from_gguf, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not (available()[0] and int8_supported()),
                                 reason="the int8 kernel needs the CPU kernels built with AVX512-VNNI")
@@ -134,8 +134,8 @@ def test_rejects_inputs_it_cannot_run() -> None:
 
 
 def test_the_flag_reaches_the_worker_and_bad_values_are_refused() -> None:
-    from service.cli_args import build_parser
-    from service.server import worker_config
+    from service.cli.serve import worker_config
+    from service.cli.serve_args import build_parser
     from worker.config import WorkerConfig
 
     assert worker_config(build_parser().parse_args([])).gguf_activations == "auto"

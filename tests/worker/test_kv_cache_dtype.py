@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.cli_args import build_parser
-from service.server import worker_config
+from service.cli.serve import worker_config
+from service.cli.serve_args import build_parser
 from worker.config import WorkerConfig
-from worker.model_runner import resolve_kv_dtype
+from worker.execution.model_runner import resolve_kv_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -45,8 +45,8 @@ def test_flag_reaches_the_worker_config_and_bad_values_are_refused() -> None:
 def test_runner_sizes_its_cache_by_the_element_type(kv: str, elem: int) -> None:
     """The default GGUF model on the C++ attention: float16 by default (twice the blocks in the
     same memory), float32 when asked; the runner reports it."""
-    from worker.cpu_kernels import available
-    from worker.model_runner import ModelRunner
+    from worker.execution.model_runner import ModelRunner
+    from worker.kernels.build import available
 
     if not available()[0]:
         pytest.skip(f"cpu kernels unavailable: {available()[1]}")

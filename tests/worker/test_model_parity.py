@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from scheduler.sampling import SamplingParams
-from worker.attention import StepAttention, TorchAttention
-from worker.input_batch import InputBatch, RequestState
-from worker.kv_cache import KVCache
-from worker.loader import load_weights
-from worker.model import LlamaForCausalLM
-from worker.weight_form import WeightForm
+from worker.attention.step import StepAttention
+from worker.attention.torch_backend import TorchAttention
+from worker.execution.input_batch import InputBatch, RequestState
+from worker.execution.kv_cache import KVCache
+from worker.model.llama import LlamaForCausalLM
+from worker.model.loader import load_weights
+from worker.model.weight_form import WeightForm
 
 PROMPT_LENS = {"a": 23, "b": 40, "c": 5, "d": 16}
 # Per step: tokens each request computes. b is chunked 7 / 16 / 17; a, c, d prefill at once
@@ -145,7 +146,7 @@ def test_flash_glue_matches_torch_backend(block_size: int, requests: dict[str, t
     """The flash backend's glue (sequence offsets, gather or block tables) with a reference
     kernel gives what the torch backend gives, for decodes and chunks over a filled cache.
     This checks our side of the call; the kernel itself only runs on CUDA (bench/gpu_check.sh)."""
-    from worker.attention import FlashAttention
+    from worker.attention.flash_attn_backend import FlashAttention
 
     torch.manual_seed(0)
     num_blocks = 40 if block_size == 4 else 8
@@ -169,11 +170,11 @@ def test_flash_glue_matches_torch_backend(block_size: int, requests: dict[str, t
 
 
 def test_flash_attn_backend_request_is_checked() -> None:
-    from worker.attention import make_attention_backend
+    from worker.attention.registry import make_attention_backend
 
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device"):
         make_attention_backend("flash_attn", torch.device("cpu"), 16, torch.float32)
-    from worker.cpu_kernels import available
+    from worker.kernels.build import available
 
     # on CPU, auto takes the C++ backend wherever it builds, the portable one otherwise
     expected = "cpu" if available()[0] else "torch"
@@ -183,7 +184,7 @@ def test_flash_attn_backend_request_is_checked() -> None:
 
 
 def test_gather_workspace_is_reused_and_matches_a_fresh_gather() -> None:
-    from worker.attention import GatherWorkspace, gather_blocks
+    from worker.attention.torch_backend import GatherWorkspace, gather_blocks
 
     cache = torch.randn(10, 4, 2, 8)
     ws = GatherWorkspace()

@@ -30,7 +30,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def prompt_ids(smol_tokenizer: Any) -> list[list[int]]:
-    from worker.tokenizer import apply_chat_template
+    from common.tokenizer import apply_chat_template
 
     return [smol_tokenizer.encode(p) for p in PROMPTS] + [apply_chat_template(smol_tokenizer, CHAT)]
 
@@ -41,7 +41,7 @@ def hf_greedy(prompt_ids: list[list[int]], smol_runner_session: Any) -> list[lis
     the runner fixture, so under its thread setting)."""
     from transformers import AutoModelForCausalLM
 
-    from worker.loader import find_default_model
+    from common.model_files import find_default_model
 
     path = find_default_model()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -206,6 +206,6 @@ def test_worker_info(smol_runner: Any) -> None:
 def test_served_model_name(path: str, name: str) -> None:
     from pathlib import Path
 
-    from worker.model_runner import served_model_name
+    from worker.execution.model_runner import served_model_name
 
     assert served_model_name(Path(path)) == name

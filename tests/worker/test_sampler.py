@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scheduler.sampling import SamplingParams
-from worker.sampler import (
+from worker.execution.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,
@@ -192,7 +192,7 @@ def test_logprobs_come_from_the_raw_logits() -> None:
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
-    from worker.sampler import Sampler, SamplingMetadata
+    from worker.execution.sampler import Sampler, SamplingMetadata
 
     logits = torch.zeros(3, 8)
     logits[:, 2] = 10.0  # EOS is by far the most likely token

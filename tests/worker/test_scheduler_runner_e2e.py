@@ -17,7 +17,7 @@ from worker_modes import REFERENCE
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner
+from worker.execution.model_runner import ModelRunner
 
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 23, 9, 40, 17, 31))]
 MAX_TOKENS = 24

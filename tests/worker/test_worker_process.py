@@ -16,10 +16,10 @@ import pytest
 
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
-from worker.client import WorkerClient, WorkerDiedError, WorkerStartupError
 from worker.config import WorkerConfig
-from worker.instant_runner import InstantRunner
-from worker.process import INSTANT_RUNNER_FACTORY
+from worker.execution.instant_runner import InstantRunner
+from worker.process.client import WorkerClient, WorkerDiedError, WorkerStartupError
+from worker.process.main import INSTANT_RUNNER_FACTORY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +125,7 @@ async def test_a_failing_step_is_an_error_output_and_the_worker_keeps_serving(
     ("factory", "message"),
     [
         ("worker.no_such_module:Runner", "No module named 'worker.no_such_module'"),
-        ("worker.instant_runner", "must look like 'module:callable'"),
+        ("worker.execution.instant_runner", "must look like 'module:callable'"),
         ("worker_process_runners:FailingRunner", "model file not found: /nowhere/model.gguf"),
         ("worker_process_runners:exiting_runner", "exited during start-up.*exit code 3"),
     ],
@@ -183,7 +183,7 @@ async def test_polite_shutdown_exits_cleanly(client: WorkerClient) -> None:
 
 PARENT_SCRIPT = f"""
 import asyncio
-from worker.client import WorkerClient
+from worker.process.client import WorkerClient
 from worker.config import WorkerConfig
 
 async def main() -> None:

@@ -11,7 +11,7 @@ import time
 
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.config import WorkerConfig
-from worker.instant_runner import InstantRunner
+from worker.execution.instant_runner import InstantRunner
 
 
 class FailingRunner:

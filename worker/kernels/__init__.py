@@ -1,0 +1,1 @@
+"""stepserve's C++ CPU kernels (`csrc/`) and their build, done on the machine at first use."""

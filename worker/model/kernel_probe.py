@@ -1,0 +1,173 @@
+"""The start-up probe: time this CPU's matmul kernels on the model's own shapes, then choose
+the dtype, the quantization and int4's dense cut-over from the measurements.
+
+CPU flags do not say which kernels are fast (an AVX2-only machine ran bf16 matmuls 2-6x
+slower than fp32; AVX-512 BF16 machines ~2x faster; int4/int8 weight-only kernels read 4-8x
+fewer bytes but compute slower at many tokens), so every choice left to `auto` is made
+from timings of the model's MLP matmul at one token (a decode step) and at `WIDE` tokens
+(a batch or a prefill chunk), a second or less in all.
+
+    quantization auto   gguf for a GGUF file whose blocks, through stepserve's float32
+                        kernel, beat a float32 dense matmul at one token; otherwise none (a
+                        safetensors model is never quantized unasked)
+    dtype auto          float32 for a GGUF file (the accuracy gate rules out bfloat16
+                        there); else bfloat16 if its dense matmul beats float32's at both
+                        widths, as --quantization int8/int4 (torch's kernels) require
+    int4 dense copy     (--quantization int4) kept when dense bf16 beats int4 from some
+                        width on and the copy fits in a quarter of the memory
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker.model.config import ModelConfig
+from worker.model.quant import quantize_int4, quantize_int8
+
+log = logging.getLogger("stepserve.worker")
+
+WIDE = 64  # tokens of the "many tokens" probe
+CUT_OVER_WIDTHS = (4, 8, 16, 32, 64, 128, 256)
+_PROBE_DIM_CAP = 4096  # larger models are probed on a slice of their matmul
+_MAX_COPIES = 64
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What the probe chose and what it measured (milliseconds per matmul)."""
+
+    dtype: torch.dtype
+    quantization: str
+    dense_above: int | None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in self.timings_ms.items())
+        cut = "" if self.dense_above is None else f", int4 -> dense bf16 above {self.dense_above} tokens"
+        return f"dtype {str(self.dtype).removeprefix('torch.')}, quantization {self.quantization}{cut} (ms: {parts})"
+
+
+def median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
+    """Median wall time of `fn` in milliseconds, after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+class _Probe:
+    """Timings of the model's gate/up matmul in every form, memoised.
+
+    Each form's timing runs over several copies of the weight, more bytes in float32 than
+    twice the last-level cache, so one token streams its weights from memory as a decode
+    step of the whole model does (one cache-resident matrix would hide the bandwidth that
+    separates the forms at one token)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        n = min(2 * config.intermediate_size, _PROBE_DIM_CAP)
+        k = min(config.hidden_size, _PROBE_DIM_CAP) // 32 * 32 or 32
+        gen = torch.Generator().manual_seed(0)
+        self.weight = torch.randn(n, k, generator=gen) * 0.02
+        self.copies = max(1, min(_MAX_COPIES, -(-2 * _llc_bytes() // self.weight.nbytes)))
+        self.k = k
+        self.timings: dict[str, float] = {}
+        self._layers: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+
+    def layers(self, form: str) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        if form not in self._layers:
+            from worker.model.linear import make_linear
+
+            if form in ("float32", "bfloat16"):
+                dtype = getattr(torch, form)
+                made = [make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)]
+            else:  # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
+                kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
+                q = quantize_int8(self.weight, 32 if gguf else None) if kind == "int8" else quantize_int4(self.weight)
+                made = [make_linear(q, torch.float32 if gguf else torch.bfloat16) for _ in range(self.copies)]
+            self._layers[form] = made  # type: ignore[assignment]
+        return self._layers[form]
+
+    def ms(self, form: str, tokens: int) -> float:
+        """Milliseconds of one matmul of `tokens` rows in `form` (weights from memory)."""
+        key = f"{form}@{tokens}"
+        if key not in self.timings:
+            dtype = torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
+            x = torch.randn(tokens, self.k).to(dtype)
+            layers = self.layers(form)
+
+            def sweep() -> None:
+                for layer in layers:
+                    layer(x)
+
+            with torch.inference_mode():
+                self.timings[key] = median_ms(sweep, repeat=5) / len(layers)
+        return self.timings[key]
+
+
+def _llc_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 32 MiB when it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        digits = text.rstrip("KMB")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def choose_kernels(
+    config: ModelConfig, dtype: str, quantization: str, native_kinds: set[str], max_tokens: int,
+    dense_copy_bytes: int, gguf_kernels: bool,
+) -> KernelChoice:
+    """Resolve `auto` dtype / quantization on CPU by measurement. `native_kinds`: the low-bit
+    kinds ("int4", "int8") a GGUF file stores natively (empty for other formats);
+    `dense_copy_bytes`: what a bf16 copy of the linear weights would take; `gguf_kernels`:
+    whether stepserve's C++ kernels built here."""
+    probe = _Probe(config)
+    if quantization == "auto":
+        quantization = "none"
+        # GGUF: its blocks through our float32 kernel where that beats float32 dense at one
+        # token. The bfloat16 forms are never chosen for it: they miss the accuracy gate
+        # (tests/worker/test_fast_mode.py; 96-98 % top-1 agreement on SmolLM2).
+        eligible = bool(native_kinds) and gguf_kernels and dtype in ("auto", "float32")
+        if eligible and all(probe.ms(f"gguf-{kind}", 1) < probe.ms("float32", 1) for kind in native_kinds):
+            quantization = "gguf"
+        if native_kinds and dtype == "auto":
+            dtype = "float32"
+    if dtype == "auto":
+        required = {"gguf": "float32", "int8": "bfloat16", "int4": "bfloat16"}.get(quantization)
+        faster = all(probe.ms("bfloat16", n) < probe.ms("float32", n) for n in (1, WIDE))
+        dtype = required or ("bfloat16" if faster else "float32")
+    uses_int4 = quantization == "int4"
+    fits = dense_copy_bytes <= _memory_bytes() // 4
+    dense_above = _cut_over(probe, max_tokens) if uses_int4 and fits else None
+    return KernelChoice(getattr(torch, dtype), quantization, dense_above, dict(probe.timings))
+
+
+def _cut_over(probe: _Probe, max_tokens: int) -> int | None:
+    """The widest step int4 should still serve itself: below the first width at which dense
+    bf16 is faster; None when int4 stays faster up to `max_tokens`."""
+    previous = 1
+    for width in CUT_OVER_WIDTHS:
+        if width > max_tokens:
+            break
+        if probe.ms("bfloat16", width) < probe.ms("int4", width):
+            return previous
+        previous = width
+    return None
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
