@@ -48,10 +48,27 @@ STEP = "stepserve:step_duration_seconds"
 
 
 def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "4GiB",
-           "--max-num-seqs", str(streams), "--max-waiting-requests", "100000"]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--worker-runner",
+        "worker.execution.instant_runner:InstantRunner",
+        "--kv-cache-memory",
+        "4GiB",
+        "--max-num-seqs",
+        str(streams),
+        "--max-waiting-requests",
+        "100000",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 async def step_histogram(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -68,9 +85,16 @@ async def step_histogram(session: aiohttp.ClientSession, url: str) -> tuple[floa
     return total, count
 
 
-async def stream_forever(session: aiohttp.ClientSession, url: str, tokens: int, stop: asyncio.Event) -> None:
-    body = {"model": "instant", "prompt": "Tell me about continuous batching " * 4, "max_tokens": tokens,
-            "ignore_eos": True, "stream": True}
+async def stream_forever(
+    session: aiohttp.ClientSession, url: str, tokens: int, stop: asyncio.Event
+) -> None:
+    body = {
+        "model": "instant",
+        "prompt": "Tell me about continuous batching " * 4,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
     while not stop.is_set():
         async with session.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
@@ -99,7 +123,9 @@ async def _viewers(url: str, viewers: int, seconds: float) -> None:
     print(json.dumps(stats), flush=True)
 
 
-async def start_viewers(url: str, viewers: int, seconds: float, nice: int) -> asyncio.subprocess.Process:
+async def start_viewers(
+    url: str, viewers: int, seconds: float, nice: int
+) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--viewers-process", url, str(viewers), str(seconds), cwd=REPO,
         stdout=asyncio.subprocess.PIPE, preexec_fn=(lambda: os.nice(nice)) if nice else None)
@@ -107,7 +133,9 @@ async def start_viewers(url: str, viewers: int, seconds: float, nice: int) -> as
 
 def _children(pid: int) -> list[int]:
     """The process's children, as Linux lists them per thread."""
-    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+    return [
+        int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()
+    ]
 
 
 def pin(server_pid: int) -> dict[str, list[int]] | None:
@@ -136,7 +164,11 @@ def cpu_seconds(pid: int) -> float:
 
 async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, viewers: int,
                   pid: int) -> dict[str, float]:
-    proc = await start_viewers(url, viewers, args.warmup + args.duration, args.viewer_nice) if viewers else None
+    proc = (
+        await start_viewers(url, viewers, args.warmup + args.duration, args.viewer_nice)
+        if viewers
+        else None
+    )
     await asyncio.sleep(args.warmup)
     s0, c0 = await step_histogram(session, url)
     t0, cpu0 = time.monotonic(), cpu_seconds(pid)
@@ -149,10 +181,15 @@ async def measure(session: aiohttp.ClientSession, url: str, args: argparse.Names
         assert proc.returncode == 0, f"the viewers exited with {proc.returncode}"
         stats = json.loads(out)
     steps = c1 - c0
-    return {"viewers": viewers, "steps": steps, "step_period_ms": (s1 - s0) / steps * 1e3 if steps else float("nan"),
-            "steps_per_s": steps / elapsed, "server_cpu_ms_per_step": cpu / steps * 1e3 if steps else float("nan"),
-            "viewer_events_per_s": stats["events"] / (args.warmup + args.duration) / max(viewers, 1),
-            "viewer_kb_per_s": stats["bytes"] / 1024 / (args.warmup + args.duration) / max(viewers, 1)}
+    return {
+        "viewers": viewers,
+        "steps": steps,
+        "step_period_ms": (s1 - s0) / steps * 1e3 if steps else float("nan"),
+        "steps_per_s": steps / elapsed,
+        "server_cpu_ms_per_step": cpu / steps * 1e3 if steps else float("nan"),
+        "viewer_events_per_s": stats["events"] / (args.warmup + args.duration) / max(viewers, 1),
+        "viewer_kb_per_s": stats["bytes"] / 1024 / (args.warmup + args.duration) / max(viewers, 1),
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -163,10 +200,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     connector = aiohttp.TCPConnector(limit=0)
     pinned = None
     try:
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+        ) as session:
             await asyncio.to_thread(wait_healthy, url, proc)
             pinned = pin(proc.pid) if args.pin else None
-            load = [asyncio.create_task(stream_forever(session, url, args.tokens, stop)) for _ in range(args.streams)]
+            load = [
+                asyncio.create_task(stream_forever(session, url, args.tokens, stop))
+                for _ in range(args.streams)
+            ]
             rounds = []
             for _ in range(args.rounds):
                 for viewers in (0, args.viewers):
@@ -184,31 +226,56 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     pairs = [(rounds[i], rounds[i + 1]) for i in range(0, len(rounds), 2)]
     period = [w["step_period_ms"] / wo["step_period_ms"] for wo, w in pairs]
     cpu = [w["server_cpu_ms_per_step"] / wo["server_cpu_ms_per_step"] for wo, w in pairs]
-    return {"config": vars(args), "pinned": pinned, "rounds": rounds,
-            "step_period_ms_without": statistics.median(wo["step_period_ms"] for wo, _ in pairs),
-            "step_period_ms_with": statistics.median(w["step_period_ms"] for _, w in pairs),
-            "pair_ratios": [round(r, 4) for r in period],
-            "difference_pct": (statistics.median(period) - 1) * 100,
-            # the spread a single pair shows: the quartiles of the pairs' differences
-            "pair_difference_pct_quartiles": ([round((q - 1) * 100, 2) for q in statistics.quantiles(period, n=4)]
-                                              if len(period) > 1 else None),
-            "server_cpu_difference_pct": (statistics.median(cpu) - 1) * 100, "goal_pct": 2.0}
+    return {
+        "config": vars(args),
+        "pinned": pinned,
+        "rounds": rounds,
+        "step_period_ms_without": statistics.median(wo["step_period_ms"] for wo, _ in pairs),
+        "step_period_ms_with": statistics.median(w["step_period_ms"] for _, w in pairs),
+        "pair_ratios": [round(r, 4) for r in period],
+        "difference_pct": (statistics.median(period) - 1) * 100,
+        # the spread a single pair shows: the quartiles of the pairs' differences
+        "pair_difference_pct_quartiles": (
+            [round((q - 1) * 100, 2) for q in statistics.quantiles(period, n=4)]
+            if len(period) > 1
+            else None
+        ),
+        "server_cpu_difference_pct": (statistics.median(cpu) - 1) * 100,
+        "goal_pct": 2.0,
+    }
 
 
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--viewers-process":
         asyncio.run(_viewers(sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
         return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--streams", type=int, default=64, help="streaming requests in flight at all times")
-    p.add_argument("--viewers", type=int, default=5, help="dashboards connected in the 'with' rounds")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--streams", type=int, default=64, help="streaming requests in flight at all times"
+    )
+    p.add_argument(
+        "--viewers", type=int, default=5, help="dashboards connected in the 'with' rounds"
+    )
     p.add_argument("--tokens", type=int, default=256, help="max_tokens of each request")
     p.add_argument("--rounds", type=int, default=16, help="pairs of (without, with) rounds")
     p.add_argument("--duration", type=float, default=6.0, help="seconds measured per round")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each round's measurement")
-    p.add_argument("--viewer-nice", type=int, default=19, help="niceness of the viewers' process (0: as the server)")
-    p.add_argument("--no-pin", dest="pin", action="store_false",
-                   help="leave CPU placement to the OS (default: the engine alone on the first CPU)")
+    p.add_argument(
+        "--warmup", type=float, default=2.0, help="seconds before each round's measurement"
+    )
+    p.add_argument(
+        "--viewer-nice",
+        type=int,
+        default=19,
+        help="niceness of the viewers' process (0: as the server)",
+    )
+    p.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave CPU placement to the OS (default: the engine alone on the first CPU)",
+    )
     args = p.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=2))
 

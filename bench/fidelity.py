@@ -32,8 +32,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench.servers import free_port, step_histogram, wait_healthy  # noqa: E402
 
-KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "median_e2el_ms",
-        "num_busy_steps", "mean_step_ms")
+KEYS = (
+    "request_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "mean_ttft_ms",
+    "median_tpot_ms",
+    "median_e2el_ms",
+    "num_busy_steps",
+    "mean_step_ms",
+)
 # The calibration grid: decode batches at a short and a long context, prefill chunks fresh and
 # after a cached prefix, so the fit can tell per-step, per-request and per-KV-token costs apart.
 CALIBRATION = ["--batches", "1", "2", "4", "8", "16", "--context", "64", "512",
@@ -42,46 +50,98 @@ CALIBRATION = ["--batches", "1", "2", "4", "8", "16", "--context", "64", "512",
 
 def _run(args: list[str]) -> None:
     """Run a stepserve command; its report goes to our stderr, keeping stdout for the JSON."""
-    done = subprocess.run([sys.executable, *args], check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(
+        [sys.executable, *args], check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     sys.stderr.write(done.stdout)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--request-rates", type=float, nargs="+", default=[0.3, 0.6],
-                    help="one load run per rate; keep them under the server's capacity (~0.8 req/s with one "
-                         "worker thread here), where TTFT is not mostly queueing")
+    ap.add_argument(
+        "--request-rates",
+        type=float,
+        nargs="+",
+        default=[0.3, 0.6],
+        help="one load run per rate; keep them under the server's capacity (~0.8 req/s with one "
+        "worker thread here), where TTFT is not mostly queueing",
+    )
     ap.add_argument("--prompt-len", default="uniform:64:256")
     ap.add_argument("--output-len", default="uniform:16:64")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="worker threads, for calibration and server alike (default: all cores but one, "
-                         "which the engine, the HTTP front end and the load generator need)")
-    ap.add_argument("--bench-json", default=None, help="reuse a worker_step.py output instead of running it")
-    ap.add_argument("--worker-args", type=shlex.split, default=[],
-                    help="worker flags for calibration and server alike, one string given with '=', e.g. "
-                         "--worker-args='--dtype float32 --enforce-eager' (default: the server's defaults)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="worker threads, for calibration and server alike (default: all cores but one, "
+        "which the engine, the HTTP front end and the load generator need)",
+    )
+    ap.add_argument(
+        "--bench-json", default=None, help="reuse a worker_step.py output instead of running it"
+    )
+    ap.add_argument(
+        "--worker-args",
+        type=shlex.split,
+        default=[],
+        help="worker flags for calibration and server alike, one string given with '=', e.g. "
+        "--worker-args='--dtype float32 --enforce-eager' (default: the server's defaults)",
+    )
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-fidelity-"))
     step_json = Path(args.bench_json) if args.bench_json else tmp / "worker_step.json"
     if not args.bench_json:
         with step_json.open("w") as f:
             subprocess.run(
-                [sys.executable, "bench/worker_step.py", "--threads", str(args.threads), *CALIBRATION, *args.worker_args],
-                check=True, cwd=ROOT, stdout=f,
+                [
+                    sys.executable,
+                    "bench/worker_step.py",
+                    "--threads",
+                    str(args.threads),
+                    *CALIBRATION,
+                    *args.worker_args,
+                ],
+                check=True,
+                cwd=ROOT,
+                stdout=f,
             )
     profile = tmp / "cpu_profile.json"
-    _run(["-m", "service.cli", "simulate", "calibrate", "--from", str(step_json), "--out", str(profile)])
+    _run(
+        [
+            "-m",
+            "service.cli",
+            "simulate",
+            "calibrate",
+            "--from",
+            str(step_json),
+            "--out",
+            str(profile),
+        ]
+    )
 
     sched = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", "16"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints",
-         "--num-threads", str(args.threads), *sched, *args.worker_args],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--enable-debug-endpoints",
+            "--num-threads",
+            str(args.threads),
+            *sched,
+            *args.worker_args,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
     )
     measured: dict[float, dict[str, float]] = {}
     try:
@@ -91,35 +151,77 @@ def main(argv: list[str] | None = None) -> None:
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
             out = tmp / f"measured-{rate}.json"
             before = step_histogram(url)
-            _run(["-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
-                  *_workload(args, rate)])
+            _run(
+                [
+                    "-m",
+                    "service.cli",
+                    "bench",
+                    "--base-url",
+                    url,
+                    "--disable-tqdm",
+                    "--result-json",
+                    str(out),
+                    *_workload(args, rate),
+                ]
+            )
             after = step_histogram(url)
             measured[rate] = json.loads(out.read_text())
             steps = after[0] - before[0]
             per_step = 1e3 / steps if steps else 0.0
-            measured[rate].update(num_busy_steps=steps, mean_step_ms=(after[1] - before[1]) * per_step,
-                                  mean_execute_ms=(after[2] - before[2]) * per_step)
+            measured[rate].update(
+                num_busy_steps=steps,
+                mean_step_ms=(after[1] - before[1]) * per_step,
+                mean_execute_ms=(after[2] - before[2]) * per_step,
+            )
     finally:
         server.terminate()
         server.wait(timeout=60)
     runs = []
     for rate in args.request_rates:
         out = tmp / f"simulated-{rate}.json"
-        _run(["-m", "service.cli", "simulate", "--model-shape", "smollm2-135m", "--hardware", str(profile),
-              "--num-gpu-blocks", str(num_blocks), "--result-json", str(out), *_workload(args, rate), *sched])
+        _run(
+            [
+                "-m",
+                "service.cli",
+                "simulate",
+                "--model-shape",
+                "smollm2-135m",
+                "--hardware",
+                str(profile),
+                "--num-gpu-blocks",
+                str(num_blocks),
+                "--result-json",
+                str(out),
+                *_workload(args, rate),
+                *sched,
+            ]
+        )
         simulated = json.loads(out.read_text())["summaries"]["continuous"]
         rows = {k: {"measured": measured[rate].get(k), "simulated": simulated.get(k)} for k in KEYS}
         # the worker's own time per step, against the same simulated step time
-        rows["mean_execute_ms"] = {"measured": measured[rate]["mean_execute_ms"], "simulated": simulated.get("mean_step_ms")}
+        rows["mean_execute_ms"] = {
+            "measured": measured[rate]["mean_execute_ms"],
+            "simulated": simulated.get("mean_step_ms"),
+        }
         for row in rows.values():
             m, sim = row["measured"], row["simulated"]
             row["ratio_sim_over_measured"] = (sim / m) if m and sim is not None else None
         step, execute = measured[rate]["mean_step_ms"], measured[rate]["mean_execute_ms"]
         runs.append({"request_rate": rate, "results": rows, "engine_overhead_ms": step - execute,
                      "execute_fits_in_step": execute <= step * 1.05})
-    print(json.dumps({"benchmark": "fidelity", "workload": _workload(args, None), "scheduler": sched,
-                      "num_gpu_blocks": num_blocks, "profile": json.loads(profile.read_text()),
-                      "runs": runs}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "fidelity",
+                "workload": _workload(args, None),
+                "scheduler": sched,
+                "num_gpu_blocks": num_blocks,
+                "profile": json.loads(profile.read_text()),
+                "runs": runs,
+            },
+            indent=2,
+        )
+    )
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:

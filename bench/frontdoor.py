@@ -67,17 +67,36 @@ def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -
     port = free_port()
     python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
     cmd = [
-        *python, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
-        "--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "16GiB",
-        "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", "8192", "--max-waiting-requests", "100000",
+        *python,
+        "-m",
+        "service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--worker-runner",
+        "worker.execution.instant_runner:InstantRunner",
+        "--kv-cache-memory",
+        "16GiB",
+        "--max-num-seqs",
+        str(max_seqs),
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-waiting-requests",
+        "100000",
         *extra,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     return Server(proc, f"http://127.0.0.1:{port}")
 
 
 def stop_server(server: Server) -> None:
-    server.proc.send_signal(signal.SIGINT)  # drains like SIGTERM; cProfile writes its file on this exit
+    server.proc.send_signal(
+        signal.SIGINT
+    )  # drains like SIGTERM; cProfile writes its file on this exit
     server.proc.wait(120)
 
 
@@ -97,7 +116,14 @@ class StreamRecord:
 
 
 def _body(prompt: str, tokens: int) -> dict[str, object]:
-    return {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}
+    return {
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
 
 
 def _record_line(rec: StreamRecord, line: bytes) -> None:
@@ -108,7 +134,9 @@ def _record_line(rec: StreamRecord, line: bytes) -> None:
         rec.error = chunk["error"]["message"]
         return
     choice = chunk["choices"][0]
-    rec.events.append((time.perf_counter(), len(choice["logprobs"]["tokens"])))  # tokens carried by this event
+    rec.events.append(
+        (time.perf_counter(), len(choice["logprobs"]["tokens"]))
+    )  # tokens carried by this event
     rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
 
 
@@ -126,8 +154,15 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, toke
     return rec
 
 
-async def _read(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int, bytes_per_s: float | None,
-                stall: asyncio.Event | None, rec: StreamRecord) -> None:
+async def _read(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    tokens: int,
+    bytes_per_s: float | None,
+    stall: asyncio.Event | None,
+    rec: StreamRecord,
+) -> None:
     async with session.post(url + "/v1/completions", json=_body(prompt, tokens)) as resp:
         resp.raise_for_status()
         pending = b""
@@ -149,7 +184,11 @@ async def _read(session: aiohttp.ClientSession, url: str, prompt: str, tokens: i
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def summarize(records: list[StreamRecord], wall: float) -> dict[str, float]:
@@ -171,14 +210,18 @@ def summarize(records: list[StreamRecord], wall: float) -> dict[str, float]:
 
 
 def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900)
+    )
 
 
 async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, float]:
     async with _session() as session:
         await one_stream(session, url, "warm up", 4)
         start = time.perf_counter()
-        records = await asyncio.gather(*[one_stream(session, url, f"Stream {i} says", tokens) for i in range(concurrency)])
+        records = await asyncio.gather(
+            *[one_stream(session, url, f"Stream {i} says", tokens) for i in range(concurrency)]
+        )
         wall = time.perf_counter() - start
     return {"concurrency": concurrency, "tokens_per_stream": tokens, **summarize(records, wall)}
 
@@ -196,22 +239,44 @@ async def _peak_rss(pid: int, done: asyncio.Event) -> float:
     return peak
 
 
-async def run_scenario(server: Server, kind: str, args: argparse.Namespace, bytes_per_s: float | None) -> dict[str, object]:
+async def run_scenario(
+    server: Server, kind: str, args: argparse.Namespace, bytes_per_s: float | None
+) -> dict[str, object]:
     """`--normal-streams` fast readers, plus (unless "baseline") the special readers."""
     done, stall = asyncio.Event(), asyncio.Event()
-    specials = [StreamRecord(time.perf_counter()) for _ in range(args.special_streams if kind != "baseline" else 0)]
+    specials = [
+        StreamRecord(time.perf_counter())
+        for _ in range(args.special_streams if kind != "baseline" else 0)
+    ]
     slow_rate = bytes_per_s / args.slowdown if kind == "slow" and bytes_per_s else None
     async with _session() as session:
         await one_stream(session, server.url, "warm up", 4)
         rss = asyncio.create_task(_peak_rss(server.proc.pid, done))
-        special = [asyncio.create_task(one_stream(session, server.url, f"Special {i} says", args.special_tokens, slow_rate,
-                                                  stall if kind == "stalled" else None, rec))
-                   for i, rec in enumerate(specials)]
+        special = [
+            asyncio.create_task(
+                one_stream(
+                    session,
+                    server.url,
+                    f"Special {i} says",
+                    args.special_tokens,
+                    slow_rate,
+                    stall if kind == "stalled" else None,
+                    rec,
+                )
+            )
+            for i, rec in enumerate(specials)
+        ]
         if special:
-            await asyncio.sleep(0.2)  # the special readers are running before the measured ones start
+            await asyncio.sleep(
+                0.2
+            )  # the special readers are running before the measured ones start
         start = time.perf_counter()
-        normal = await asyncio.gather(*[one_stream(session, server.url, f"Stream {i} says", args.scenario_tokens)
-                                        for i in range(args.normal_streams)])
+        normal = await asyncio.gather(
+            *[
+                one_stream(session, server.url, f"Stream {i} says", args.scenario_tokens)
+                for i in range(args.normal_streams)
+            ]
+        )
         wall = time.perf_counter() - start
         done.set()
         peak = await rss
@@ -220,8 +285,13 @@ async def run_scenario(server: Server, kind: str, args: argparse.Namespace, byte
             for task in special:
                 task.cancel()
         await asyncio.gather(*special, return_exceptions=True)
-    result: dict[str, object] = {"normal": summarize(normal, wall), "server_rss_peak_mib": round(peak, 1),
-                                 "normal_bytes_per_s_per_stream": round(statistics.mean(r.num_bytes for r in normal) / wall, 1)}
+    result: dict[str, object] = {
+        "normal": summarize(normal, wall),
+        "server_rss_peak_mib": round(peak, 1),
+        "normal_bytes_per_s_per_stream": round(
+            statistics.mean(r.num_bytes for r in normal) / wall, 1
+        ),
+    }
     if specials:
         result["special"] = {
             "tokens_received": [r.tokens for r in specials],
@@ -245,7 +315,9 @@ async def _on_server(name: str, max_seqs: int, args: argparse.Namespace,
                      work: Callable[[Server], Awaitable[T]]) -> T:
     """Run `work` against a fresh server (its cProfile stats in --profile DIR/<name>.prof)."""
     profile = args.profile / f"{name}.prof" if args.profile else None
-    server = start_server(max_seqs, ["--stream-stall-timeout", str(args.stream_stall_timeout)], profile)
+    server = start_server(
+        max_seqs, ["--stream-stall-timeout", str(args.stream_stall_timeout)], profile
+    )
     try:
         await asyncio.to_thread(wait_healthy, server.url, server.proc, 300.0)
         return await work(server)
@@ -254,7 +326,11 @@ async def _on_server(name: str, max_seqs: int, args: argparse.Namespace,
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
-    out: dict[str, object] = {"benchmark": "frontdoor", "worker": "InstantRunner", "cpus": os.cpu_count()}
+    out: dict[str, object] = {
+        "benchmark": "frontdoor",
+        "worker": "InstantRunner",
+        "cpus": os.cpu_count(),
+    }
     if args.concurrency:
         async def levels(server: Server) -> list[dict[str, float]]:
             return [await run_level(server.url, c, args.tokens) for c in args.concurrency]
@@ -265,34 +341,75 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for kind in ["baseline", *[k for k in args.scenarios if k != "baseline"]]:
             rate = runs["baseline"]["normal_bytes_per_s_per_stream"] if runs else None
 
-            async def scenario(server: Server, kind: str = kind, rate: object = rate) -> dict[str, object]:
+            async def scenario(
+                server: Server, kind: str = kind, rate: object = rate
+            ) -> dict[str, object]:
                 return await run_scenario(server, kind, args, rate)  # type: ignore[arg-type]
 
             runs[kind] = await _on_server(kind, max_seqs, args, scenario)
             if kind != "baseline":
                 runs[kind].update(_ratios(runs[kind], runs["baseline"]))
-        out["readers"] = {"normal_streams": args.normal_streams, "special_streams": args.special_streams,
-                          "slowdown": args.slowdown, "tokens": args.scenario_tokens, "special_tokens": args.special_tokens,
-                          "stream_stall_timeout": args.stream_stall_timeout, "runs": runs}
+        out["readers"] = {
+            "normal_streams": args.normal_streams,
+            "special_streams": args.special_streams,
+            "slowdown": args.slowdown,
+            "tokens": args.scenario_tokens,
+            "special_tokens": args.special_tokens,
+            "stream_stall_timeout": args.stream_stall_timeout,
+            "runs": runs,
+        }
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[64, 512], help="concurrent streams per level (none: skip)")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream (default %(default)s)")
-    parser.add_argument("--scenarios", nargs="*", default=["baseline", "slow", "stalled"],
-                        choices=["baseline", "slow", "stalled", "none"], help="reader scenarios (none: skip)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[64, 512],
+        help="concurrent streams per level (none: skip)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=256, help="tokens per stream (default %(default)s)"
+    )
+    parser.add_argument(
+        "--scenarios",
+        nargs="*",
+        default=["baseline", "slow", "stalled"],
+        choices=["baseline", "slow", "stalled", "none"],
+        help="reader scenarios (none: skip)",
+    )
     parser.add_argument("--normal-streams", type=int, default=64)
-    parser.add_argument("--special-streams", type=int, default=8, help="slow or stalled readers (default %(default)s)")
-    parser.add_argument("--slowdown", type=float, default=10.0, help="how many times slower the slow readers read")
-    parser.add_argument("--scenario-tokens", type=int, default=1024,
-                        help="tokens per normal stream in the reader scenarios (default %(default)s: ~1.5 s runs; at "
-                             "256 a run lasts half a second and its p99 is a handful of gaps)")
+    parser.add_argument(
+        "--special-streams",
+        type=int,
+        default=8,
+        help="slow or stalled readers (default %(default)s)",
+    )
+    parser.add_argument(
+        "--slowdown", type=float, default=10.0, help="how many times slower the slow readers read"
+    )
+    parser.add_argument(
+        "--scenario-tokens",
+        type=int,
+        default=1024,
+        help="tokens per normal stream in the reader scenarios (default %(default)s: ~1.5 s runs; at "
+        "256 a run lasts half a second and its p99 is a handful of gaps)",
+    )
     parser.add_argument("--special-tokens", type=int, default=None,
                         help="tokens per special stream (default 4x --scenario-tokens)")
-    parser.add_argument("--stream-stall-timeout", type=float, default=60.0, help="the server's flag (default %(default)s)")
-    parser.add_argument("--profile", type=Path, default=None, help="directory for each server's cProfile stats")
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="the server's flag (default %(default)s)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="directory for each server's cProfile stats"
+    )
     args = parser.parse_args(argv)
     args.scenarios = [s for s in args.scenarios if s != "none"]
     args.special_tokens = args.special_tokens or 4 * args.scenario_tokens

@@ -36,11 +36,17 @@ def run_variant(variant: str, batch: int, context: int, steps: int, threads: int
     torch.manual_seed(0)
     blocks_per_req = -(-(context + 1) // BLOCK)
     num_blocks = batch * blocks_per_req
-    caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).unbind(0) for _ in range(LAYERS)]
-    inputs = InputBatch(max_model_len=context + 1, block_size=BLOCK, device=torch.device("cpu"), rows=batch)
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).unbind(0) for _ in range(LAYERS)
+    ]
+    inputs = InputBatch(
+        max_model_len=context + 1, block_size=BLOCK, device=torch.device("cpu"), rows=batch
+    )
     scheduled = []
     for i in range(batch):
-        state = RequestState(f"r{i}", [1] * (context + 1), SamplingParams(), None, num_computed_tokens=context)
+        state = RequestState(
+            f"r{i}", [1] * (context + 1), SamplingParams(), None, num_computed_tokens=context
+        )
         inputs.add(state)
         inputs.set_blocks(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
         scheduled.append((state, 1))
@@ -68,22 +74,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=["fresh", "workspace"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.variant:  # the child: one variant, its step times as JSON
-        print(json.dumps(run_variant(args.variant, args.batch, args.context, args.steps, args.threads)))
+        print(
+            json.dumps(
+                run_variant(args.variant, args.batch, args.context, args.steps, args.threads)
+            )
+        )
         return 0
     results = {}
     for variant in ("fresh", "workspace"):
-        out = subprocess.run([sys.executable, __file__, "--variant", variant, "--batch", str(args.batch),
-                              "--context", str(args.context), "--steps", str(args.steps),
-                              "--threads", str(args.threads)], check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--variant",
+                variant,
+                "--batch",
+                str(args.batch),
+                "--context",
+                str(args.context),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         times = json.loads(out.stdout)
         results[variant] = {"first_step_ms": round(times[0] * 1e3, 2),
                             "median_step_ms": round(sorted(times)[len(times) // 2] * 1e3, 2)}
-    print(json.dumps({
-        "benchmark": "gather_workspace", "batch": args.batch, "context": args.context, "layers": LAYERS,
-        "threads": args.threads, "results": results,
-        "median_ratio_fresh_over_workspace": round(results["fresh"]["median_step_ms"]
-                                                   / results["workspace"]["median_step_ms"], 3),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "gather_workspace",
+                "batch": args.batch,
+                "context": args.context,
+                "layers": LAYERS,
+                "threads": args.threads,
+                "results": results,
+                "median_ratio_fresh_over_workspace": round(
+                    results["fresh"]["median_step_ms"] / results["workspace"]["median_step_ms"], 3
+                ),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

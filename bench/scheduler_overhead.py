@@ -26,7 +26,9 @@ from scheduler.step_cost_fit import OnlineStepCost
 
 
 def _request(i: int, prompt_len: int, shared_prefix: int) -> Request:
-    prompt = list(range(1000, 1000 + shared_prefix)) + [(i * 7919 + j) % 30000 for j in range(prompt_len - shared_prefix)]
+    prompt = list(range(1000, 1000 + shared_prefix)) + [
+        (i * 7919 + j) % 30000 for j in range(prompt_len - shared_prefix)
+    ]
     sp = SamplingParams(max_tokens=100_000 // 2, ignore_eos=True)
     return Request(f"r{i}", prompt, sp, arrival_time=0.0)
 
@@ -44,7 +46,9 @@ class _Cost:
     def __init__(self) -> None:
         self.model = OnlineStepCost()
         for step in calibration_steps(16, 1 << 20, 1 << 20, 32000)[1:]:
-            self.model.seed(step.shape, 0.02 + 1e-3 * step.shape.num_reqs + 1e-3 * step.shape.num_tokens)
+            self.model.seed(
+                step.shape, 0.02 + 1e-3 * step.shape.num_reqs + 1e-3 * step.shape.num_tokens
+            )
         self.on = False
 
     def __call__(self, batch: BatchShape) -> float:
@@ -64,7 +68,9 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
     shared = 64 if prefix_caching else 0
     for i in range(num_running):
         sched.add_request(_request(i, prompt_len, shared))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or len(sched.waiting):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or len(
+        sched.waiting
+    ):
         _step(sched)
     cost.on = True
     per_call: list[float] = []
@@ -97,11 +103,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--running", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--max-step-ms", type=float, nargs="+", default=[0.0],
-                    help="one run per value (0: time budget off), e.g. 0 600 for the side-by-side ratio")
+    ap.add_argument(
+        "--max-step-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="one run per value (0: time budget off), e.g. 0 600 for the side-by-side ratio",
+    )
     args = ap.parse_args(argv)
-    results = [measure(n, pc, args.steps, max_step_ms=t) for n in args.running for pc in (False, True)
-               for t in args.max_step_ms]
+    results = [
+        measure(n, pc, args.steps, max_step_ms=t)
+        for n in args.running
+        for pc in (False, True)
+        for t in args.max_step_ms
+    ]
     print(json.dumps({"benchmark": "scheduler_overhead", "results": results}, indent=2))
 
 

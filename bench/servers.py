@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_DEFAULT = Path.home() / ".cache/stepserve-bench/build/bin/llama-server"
-BUILD_HINT = "build it with: bash ../shared/tools/build-llama-server.sh (it prints the binary's path)"
+BUILD_HINT = (
+    "build it with: bash ../shared/tools/build-llama-server.sh (it prints the binary's path)"
+)
 
 
 def free_port() -> int:
@@ -47,9 +49,14 @@ def step_histogram(url: str) -> tuple[float, float, float]:
     of the worker's own execute times over the same steps (`/metrics`)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    return (values["stepserve:step_duration_seconds_count"], values["stepserve:step_duration_seconds_sum"],
-            values["stepserve:model_execute_time_seconds_sum"])
+    values = {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    return (
+        values["stepserve:step_duration_seconds_count"],
+        values["stepserve:step_duration_seconds_sum"],
+        values["stepserve:model_execute_time_seconds_sum"],
+    )
 
 
 def llama_server_binary(given: str | None) -> Path | None:
@@ -59,14 +66,38 @@ def llama_server_binary(given: str | None) -> Path | None:
 
 
 def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
-    return [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--num-threads", str(threads), *flags]
+    return [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--num-threads",
+        str(threads),
+        *flags,
+    ]
 
 
 def llama_cmd(binary: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
     from common.model_files import find_default_model
 
-    return [str(binary), "-m", str(find_default_model()), "--port", str(port), "--host", "127.0.0.1",
-            "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb"]
+    return [
+        str(binary),
+        "-m",
+        str(find_default_model()),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "-t",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "-cb",
+    ]
 
 
 @contextlib.contextmanager
@@ -89,10 +120,23 @@ def running(cmd: list[str], port: int, log: Path | None = None) -> Iterator[str]
             out.close()  # type: ignore[union-attr]
 
 
-def load(url: str, workload: list[str], out: Path, keys: tuple[str, ...], model: str | None = None) -> dict[str, Any]:
+def load(
+    url: str, workload: list[str], out: Path, keys: tuple[str, ...], model: str | None = None
+) -> dict[str, Any]:
     """`stepserve bench` with `workload` flags against `url`; the summary's `keys`."""
-    cmd = [sys.executable, "-m", "service.cli", "bench", "--base-url", url, "--disable-tqdm", "--result-json", str(out),
-           *(["--model", model] if model else []), *workload]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "bench",
+        "--base-url",
+        url,
+        "--disable-tqdm",
+        "--result-json",
+        str(out),
+        *(["--model", model] if model else []),
+        *workload,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
     sys.stderr.write(done.stdout)
     data = json.loads(out.read_text())

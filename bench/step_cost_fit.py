@@ -40,7 +40,11 @@ def run(steps: list[tuple[BatchShape, float]], cold: bool) -> tuple[float, list[
     for step in calibration_steps(16, 1 << 20, 1 << 20, 32000)[1:]:
         model.seed(step.shape, 1e-3 + 2e-6 * step.shape.num_tokens)
     nnls = step_fit.nnls
-    patch = mock.patch.object(step_fit, "nnls", lambda m, c, start=(): nnls(m, c)) if cold else contextlib.nullcontext()
+    patch = (
+        mock.patch.object(step_fit, "nnls", lambda m, c, start=(): nnls(m, c))
+        if cold
+        else contextlib.nullcontext()
+    )
     predictions = []
     with patch:
         t0 = time.perf_counter()
@@ -52,7 +56,9 @@ def run(steps: list[tuple[BatchShape, float]], cold: bool) -> tuple[float, list[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is kept")
     args = p.parse_args()
@@ -66,10 +72,19 @@ def main() -> None:
     diff = max(abs(a - b) / b for a, b in zip(pw, pc, strict=True))
     warm.sort()
     cold.sort()
-    print(json.dumps({"benchmark": "step_fit", "steps": args.steps, "us_per_step_warm": round(warm[len(warm) // 2], 2),
-                      "us_per_step_cold": round(cold[len(cold) // 2], 2),
-                      "cold_over_warm": round(cold[len(cold) // 2] / warm[len(warm) // 2], 2),
-                      "max_relative_prediction_difference": diff}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "step_fit",
+                "steps": args.steps,
+                "us_per_step_warm": round(warm[len(warm) // 2], 2),
+                "us_per_step_cold": round(cold[len(cold) // 2], 2),
+                "cold_over_warm": round(cold[len(cold) // 2] / warm[len(warm) // 2], 2),
+                "max_relative_prediction_difference": diff,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,32 @@ from bench.servers import (  # noqa: E402
 )
 from scheduler.config import SchedulerConfig  # noqa: E402
 
-KEYS = ("total_token_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
-        "p99_itl_ms", "completed", "failed", "duration")
+KEYS = (
+    "total_token_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "completed",
+    "failed",
+    "duration",
+)
 
 
 def _workload(args: argparse.Namespace) -> list[str]:
-    return ["--num-prompts", str(args.num_prompts), "--prompt-len", args.prompt_len, "--output-len", args.output_len,
-            "--seed", str(args.seed), "--request-rate", "inf"]
+    return [
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        args.prompt_len,
+        "--output-len",
+        args.output_len,
+        "--seed",
+        str(args.seed),
+        "--request-rate",
+        "inf",
+    ]
 
 
 def run_stepserve(args: argparse.Namespace, flags: list[str], out: Path) -> dict[str, Any]:
@@ -61,12 +80,17 @@ def run_stepserve(args: argparse.Namespace, flags: list[str], out: Path) -> dict
 
 def run_llama_server(args: argparse.Namespace, binary: Path, out: Path) -> dict[str, Any]:
     port, slots = free_port(), min(args.num_prompts, 64)
-    with running(llama_cmd(binary, port, args.threads, slots, args.llama_ctx_per_slot), port) as url:
+    with running(
+        llama_cmd(binary, port, args.threads, slots, args.llama_ctx_per_slot), port
+    ) as url:
         return load(url, _workload(args), out, KEYS)
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    fixed = [(f"budget-{b}", ["--max-num-batched-tokens", str(b), "--max-step-ms", "0"]) for b in args.budgets]
+    fixed = [
+        (f"budget-{b}", ["--max-num-batched-tokens", str(b), "--max-step-ms", "0"])
+        for b in args.budgets
+    ]
     targets = []
     for t in args.targets:  # "default", "MS" (the default --min-prefill-share) or "MS:SHARE"
         if t == "default":
@@ -75,8 +99,12 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                              "--min-prefill-share", f"{SchedulerConfig().min_prefill_share:g}"]))
             continue
         ms, _, share = t.partition(":")
-        flags = ["--max-step-ms", f"{float(ms):g}"] + (["--min-prefill-share", f"{float(share):g}"] if share else [])
-        targets.append((f"target-{float(ms):g}" + (f"-share-{float(share):g}" if share else ""), flags))
+        flags = ["--max-step-ms", f"{float(ms):g}"] + (
+            ["--min-prefill-share", f"{float(share):g}"] if share else []
+        )
+        targets.append(
+            (f"target-{float(ms):g}" + (f"-share-{float(share):g}" if share else ""), flags)
+        )
     return fixed + targets
 
 
@@ -90,14 +118,23 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["best_fixed_budget"] = best
         for name, r in results.items():
             if name.startswith("target-"):
-                out[name] = {"throughput_vs_best_fixed": _div(r["total_token_throughput"], fixed[best]["total_token_throughput"]),
-                             "itl_p99_vs_lowest_fixed": _div(r["p99_itl_ms"], lowest_itl),
-                             "beats_every_fixed_on_itl_p99": (r["p99_itl_ms"] or float("inf")) < lowest_itl}
+                out[name] = {
+                    "throughput_vs_best_fixed": _div(
+                        r["total_token_throughput"], fixed[best]["total_token_throughput"]
+                    ),
+                    "itl_p99_vs_lowest_fixed": _div(r["p99_itl_ms"], lowest_itl),
+                    "beats_every_fixed_on_itl_p99": (r["p99_itl_ms"] or float("inf")) < lowest_itl,
+                }
     if "llama-server" in results:
         ref = results["llama-server"]
-        out["vs_llama_server"] = {name: {"throughput": _div(r["total_token_throughput"], ref["total_token_throughput"]),
-                                         "itl_p99": _div(r["p99_itl_ms"], ref["p99_itl_ms"])}
-                                  for name, r in results.items() if name != "llama-server"}
+        out["vs_llama_server"] = {
+            name: {
+                "throughput": _div(r["total_token_throughput"], ref["total_token_throughput"]),
+                "itl_p99": _div(r["p99_itl_ms"], ref["p99_itl_ms"]),
+            }
+            for name, r in results.items()
+            if name != "llama-server"
+        }
     return out
 
 
@@ -135,7 +172,9 @@ def median_ratios(per_round: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--prompt-len", default="uniform:20:600")
     ap.add_argument("--output-len", default="uniform:32:256")
@@ -143,18 +182,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, nargs="*", default=[256, 512, 1024, 2048])
     ap.add_argument("--targets", nargs="*", default=["100", "200", "400", "default"],
                     help="ms (with the default --min-prefill-share), ms:share, or 'default'")
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="worker (and llama-server) threads; default all cores but one, for the load client")
-    ap.add_argument("--llama-server", default=None, help="path to llama-server, or 'auto' for the build script's")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="worker (and llama-server) threads; default all cores but one, for the load client",
+    )
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        help="path to llama-server, or 'auto' for the build script's",
+    )
     ap.add_argument("--llama-ctx-per-slot", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, the order reversed "
-                    "every other round; report medians (the machine drifts between configurations)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, the order reversed "
+        "every other round; report medians (the machine drifts between configurations)",
+    )
     args = ap.parse_args(argv)
     binary = None
     if args.llama_server is not None:
         binary = llama_server_binary(args.llama_server)
         if binary is None:
-            print(f"bench/step_time_budget.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
+            print(
+                f"bench/step_time_budget.py: no llama-server at {args.llama_server}; {BUILD_HINT}",
+                file=sys.stderr,
+            )
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-step-budget-"))
     runs: list[tuple[str, list[str] | None]] = list(_configs(args))
@@ -165,16 +220,37 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[str, dict[str, Any]] = {}
         for name, flags in runs if r % 2 == 0 else runs[::-1]:
             out = tmp / f"{name}-{r}.json"
-            done[name] = (run_llama_server(args, binary, out) if flags is None and binary is not None
-                          else {"flags": flags, **run_stepserve(args, flags or [], out)})
+            done[name] = (
+                run_llama_server(args, binary, out)
+                if flags is None and binary is not None
+                else {"flags": flags, **run_stepserve(args, flags or [], out)}
+            )
         rounds.append({name: done[name] for name, _ in runs})
     results = median_results(rounds) if len(rounds) > 1 else rounds[0]
     per_round = [ratios(r) for r in rounds]
-    print(json.dumps({"benchmark": "step_time_budget", "workload": _workload(args), "threads": args.threads,
-                      "rounds": len(rounds), "results": results,
-                      "ratios": median_ratios(per_round) if len(rounds) > 1 else per_round[0],
-                      **({"per_round": [{"results": r, "ratios": q} for r, q in zip(rounds, per_round, strict=True)]}
-                         if len(rounds) > 1 else {})}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "step_time_budget",
+                "workload": _workload(args),
+                "threads": args.threads,
+                "rounds": len(rounds),
+                "results": results,
+                "ratios": median_ratios(per_round) if len(rounds) > 1 else per_round[0],
+                **(
+                    {
+                        "per_round": [
+                            {"results": r, "ratios": q}
+                            for r, q in zip(rounds, per_round, strict=True)
+                        ]
+                    }
+                    if len(rounds) > 1
+                    else {}
+                ),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -62,7 +62,9 @@ def _spin(stop: float) -> None:
         pass
 
 
-def measure(threads: int, policy: str, neighbour: bool, eager: bool, helper: str = "normal") -> dict[str, Any]:
+def measure(
+    threads: int, policy: str, neighbour: bool, eager: bool, helper: str = "normal"
+) -> dict[str, Any]:
     env = dict(os.environ)
     for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         env.pop(key, None)
@@ -72,15 +74,23 @@ def measure(threads: int, policy: str, neighbour: bool, eager: bool, helper: str
         env["GOMP_SPINCOUNT"] = policy.removeprefix("spin:")
     elif policy != "default":
         raise SystemExit(f"unknown policy {policy!r} (default, PASSIVE or spin:N)")
-    code = CHILD.format(root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager, helper=helper)
+    code = CHILD.format(
+        root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager, helper=helper
+    )
     spinner = None
     if neighbour:
         spinner = multiprocessing.Process(target=_spin, args=(time.monotonic() + 600,), daemon=True)
         spinner.start()
     try:
         # a combination that hangs (spinning barriers starved by the neighbour) is reported, not waited for
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
     except subprocess.TimeoutExpired:
         return {"error": "no result in 300 s"}
     finally:
@@ -94,13 +104,32 @@ def measure(threads: int, policy: str, neighbour: bool, eager: bool, helper: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--enforce-eager", action="store_true", help="time the eager forward (quicker start-up)")
-    ap.add_argument("--policies", nargs="+", default=["default", "PASSIVE"],
-                    help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline")
-    ap.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
-    ap.add_argument("--helper-policies", nargs="+", default=["normal"], choices=HELPER_CPU_SCHEDULING,
-                    help="--helper-cpu-scheduling values to time (default: normal)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--enforce-eager", action="store_true", help="time the eager forward (quicker start-up)"
+    )
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=["default", "PASSIVE"],
+        help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="thread counts (default: 1 and all cores)",
+    )
+    ap.add_argument(
+        "--helper-policies",
+        nargs="+",
+        default=["normal"],
+        choices=HELPER_CPU_SCHEDULING,
+        help="--helper-cpu-scheduling values to time (default: normal)",
+    )
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 2
     counts = sorted(set(args.threads or {1, cores}))
@@ -109,18 +138,42 @@ def main(argv: list[str] | None = None) -> int:
         for threads in counts:
             for policy in args.policies:
                 for helper in args.helper_policies:
-                    rows.append({"threads": threads, "omp_wait_policy": policy, "helper_cpu_scheduling": helper,
-                                 "busy_neighbour": neighbour,
-                                 **measure(threads, policy, neighbour, args.enforce_eager, helper)})
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress, kept if the run is cut short
-    base = next(r for r in rows if r["threads"] == counts[-1] and r["omp_wait_policy"] == args.policies[0]
-                and r["helper_cpu_scheduling"] == args.helper_policies[0] and not r["busy_neighbour"])
+                    rows.append(
+                        {
+                            "threads": threads,
+                            "omp_wait_policy": policy,
+                            "helper_cpu_scheduling": helper,
+                            "busy_neighbour": neighbour,
+                            **measure(threads, policy, neighbour, args.enforce_eager, helper),
+                        }
+                    )
+                    print(
+                        json.dumps(rows[-1]), file=sys.stderr, flush=True
+                    )  # progress, kept if the run is cut short
+    base = next(
+        r
+        for r in rows
+        if r["threads"] == counts[-1]
+        and r["omp_wait_policy"] == args.policies[0]
+        and r["helper_cpu_scheduling"] == args.helper_policies[0]
+        and not r["busy_neighbour"]
+    )
     for r in rows:
         if "error" in r:
             continue
         for key in ("batch_1_ms", "batch_8_ms"):
             r[key.replace("_ms", "_vs_base")] = round(r[key] / base[key], 3)
-    print(json.dumps({"benchmark": "threads", "cores": cores, "compiled": not args.enforce_eager, "rows": rows}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "threads",
+                "cores": cores,
+                "compiled": not args.enforce_eager,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -45,17 +45,65 @@ from bench.servers import (  # noqa: E402
     stepserve_cmd,
 )
 
-KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "total_token_throughput",
-        "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms")
+KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "total_token_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
 SCENARIOS: dict[str, list[str]] = {
-    "single": ["--num-prompts", "8", "--prompt-len", "32", "--output-len", "128", "--max-concurrency", "1",
-               "--request-rate", "inf"],
-    "prefill": ["--num-prompts", "6", "--prompt-len", "1000", "--output-len", "1", "--max-concurrency", "1",
-                "--request-rate", "inf"],
-    "saturating": ["--num-prompts", "64", "--prompt-len", "uniform:20:600", "--output-len", "uniform:32:256",
-                   "--request-rate", "inf"],
-    "poisson": ["--num-prompts", "48", "--prompt-len", "uniform:20:600", "--output-len", "uniform:32:256",
-                "--request-rate", "1.5"],
+    "single": [
+        "--num-prompts",
+        "8",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "128",
+        "--max-concurrency",
+        "1",
+        "--request-rate",
+        "inf",
+    ],
+    "prefill": [
+        "--num-prompts",
+        "6",
+        "--prompt-len",
+        "1000",
+        "--output-len",
+        "1",
+        "--max-concurrency",
+        "1",
+        "--request-rate",
+        "inf",
+    ],
+    "saturating": [
+        "--num-prompts",
+        "64",
+        "--prompt-len",
+        "uniform:20:600",
+        "--output-len",
+        "uniform:32:256",
+        "--request-rate",
+        "inf",
+    ],
+    "poisson": [
+        "--num-prompts",
+        "48",
+        "--prompt-len",
+        "uniform:20:600",
+        "--output-len",
+        "uniform:32:256",
+        "--request-rate",
+        "1.5",
+    ],
 }
 # ratio name -> (summary key, scenario, higher is better)
 RATIOS = {
@@ -76,9 +124,29 @@ RATIOS = {
 def cpu_info() -> dict[str, Any]:
     """The CPU model and its vector flags (reported with every run: CPUs change between sessions)."""
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx_vnni",
+        "amx_tile",
+        "amx_bf16",
+    )
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 
@@ -89,7 +157,9 @@ def _with_prefill_rate(summary: dict[str, Any], scenario: str) -> dict[str, Any]
     return summary
 
 
-def run_all(cmd: list[str], port: int, scenarios: list[str], tmp: Path, name: str) -> dict[str, Any]:
+def run_all(
+    cmd: list[str], port: int, scenarios: list[str], tmp: Path, name: str
+) -> dict[str, Any]:
     """One fresh server for all scenarios, in order. Each scenario has its own seed: with one
     seed the Poisson prompts were the saturating run's first 48, and llama-server's slots
     (which keep their last prompt's KV) answered them from cache."""
@@ -97,7 +167,9 @@ def run_all(cmd: list[str], port: int, scenarios: list[str], tmp: Path, name: st
     with running(cmd, port, tmp / f"{name}.log") as url:
         for scenario in scenarios:
             seed = str(1 + list(SCENARIOS).index(scenario))
-            summary = load(url, [*SCENARIOS[scenario], "--seed", seed], tmp / f"{name}-{scenario}.json", KEYS)
+            summary = load(
+                url, [*SCENARIOS[scenario], "--seed", seed], tmp / f"{name}-{scenario}.json", KEYS
+            )
             out[scenario] = _with_prefill_rate(summary, scenario)
     return out
 
@@ -121,22 +193,38 @@ def median_ratios(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-server", default="auto", help="path to llama-server ('auto': the build script's)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="each server's threads (default: all cores)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--llama-server", default="auto", help="path to llama-server ('auto': the build script's)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="each server's threads (default: all cores)",
+    )
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--stepserve-flags", nargs=argparse.REMAINDER, default=[],
                     help="extra `stepserve serve` flags (last on the command line)")
     ap.add_argument("--slots", type=int, default=64, help="llama-server's parallel slots (-np)")
     ap.add_argument("--ctx-per-slot", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run both servers this many times, alternating which goes first (llama-server in even "
-                         "rounds), and report each figure's median ratio: the machine's drift between the two "
-                         "servers' turns then falls on both sides")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run both servers this many times, alternating which goes first (llama-server in even "
+        "rounds), and report each figure's median ratio: the machine's drift between the two "
+        "servers' turns then falls on both sides",
+    )
     args = ap.parse_args(argv)
     binary = llama_server_binary(args.llama_server)
     if binary is None:
-        print(f"bench/vs_llamacpp.py: no llama-server at {args.llama_server}; {BUILD_HINT}", file=sys.stderr)
+        print(
+            f"bench/vs_llamacpp.py: no llama-server at {args.llama_server}; {BUILD_HINT}",
+            file=sys.stderr,
+        )
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-vs-llamacpp-"))
     rounds: list[dict[str, Any]] = []
@@ -144,21 +232,42 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[str, Any] = {}
         for name in ("llama-server", "stepserve") if r % 2 == 0 else ("stepserve", "llama-server"):
             port = free_port()
-            cmd = (llama_cmd(binary, port, args.threads, args.slots, args.ctx_per_slot) if name == "llama-server"
-                   else stepserve_cmd(port, args.threads, args.stepserve_flags))
+            cmd = (
+                llama_cmd(binary, port, args.threads, args.slots, args.ctx_per_slot)
+                if name == "llama-server"
+                else stepserve_cmd(port, args.threads, args.stepserve_flags)
+            )
             done[name] = run_all(cmd, port, args.scenarios, tmp, name if r == 0 else f"{name}-{r}")
-        rounds.append({"first": "llama-server" if r % 2 == 0 else "stepserve", "llama_server": done["llama-server"],
-                       "stepserve": done["stepserve"], "ratios": ratios(done["stepserve"], done["llama-server"])})
+        rounds.append(
+            {
+                "first": "llama-server" if r % 2 == 0 else "stepserve",
+                "llama_server": done["llama-server"],
+                "stepserve": done["stepserve"],
+                "ratios": ratios(done["stepserve"], done["llama-server"]),
+            }
+        )
     llama, ours = rounds[0]["llama_server"], rounds[0]["stepserve"]
     log = (tmp / "stepserve.log").read_text(errors="replace")
     chosen = [line.split("stepserve.worker: ", 1)[1] for line in log.splitlines()
               if "stepserve.worker: kernels:" in line or "stepserve.worker: forward:" in line]
-    print(json.dumps({"benchmark": "vs_llamacpp", "cpu": cpu_info(), "threads": args.threads,
-                      "stepserve_flags": args.stepserve_flags, "stepserve_worker": chosen,
-                      "scenarios": {s: SCENARIOS[s] for s in args.scenarios},
-                      "llama_server": llama, "stepserve": ours,
-                      "ratios_stepserve_over_llama": median_ratios([r["ratios"] for r in rounds]),
-                      **({"rounds": rounds} if args.rounds > 1 else {}), "logs": str(tmp)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "vs_llamacpp",
+                "cpu": cpu_info(),
+                "threads": args.threads,
+                "stepserve_flags": args.stepserve_flags,
+                "stepserve_worker": chosen,
+                "scenarios": {s: SCENARIOS[s] for s in args.scenarios},
+                "llama_server": llama,
+                "stepserve": ours,
+                "ratios_stepserve_over_llama": median_ratios([r["ratios"] for r in rounds]),
+                **({"rounds": rounds} if args.rounds > 1 else {}),
+                "logs": str(tmp),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

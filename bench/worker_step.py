@@ -53,12 +53,27 @@ from worker.model.config import ModelConfig  # noqa: E402
 from worker.model.loader import expected_shapes  # noqa: E402
 
 LLAMA_31_8B = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=False, eos_token_ids=(128001,),
+    architecture="LlamaForCausalLM",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    eos_token_ids=(128001,),
 )
 MODEL_SHAPES = {"llama-3.1-8b": LLAMA_31_8B}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)
@@ -85,7 +100,9 @@ def timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
     return median([time_once(fn, device) for _ in range(repeat)])
 
 
-def machine_rates(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
+def machine_rates(
+    device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat16")
+) -> dict[str, float]:
     """Measured dense matmul FLOP/s (per dtype) and copy bandwidth (bytes/s)."""
     n = 4096 if device.type == "cuda" else 1024
     rates: dict[str, float] = {}
@@ -101,7 +118,9 @@ def machine_rates(device: torch.device, dtypes: tuple[str, ...] = ("float32", "b
     return rates
 
 
-def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     out = {}
     for name, shape in expected_shapes(config).items():
@@ -126,8 +145,13 @@ class Bench:
         self.live: dict[str, list[int]] = {}  # req id -> blocks
         self.computed: dict[str, int] = {}
 
-    def plan(self, new: dict[str, list[int]], run: dict[str, int], finished: frozenset[str] = frozenset(),
-             first_chunk: int | None = None) -> SchedulerOutput:
+    def plan(
+        self,
+        new: dict[str, list[int]],
+        run: dict[str, int],
+        finished: frozenset[str] = frozenset(),
+        first_chunk: int | None = None,
+    ) -> SchedulerOutput:
         """New requests compute their whole prompt (or its first `first_chunk` tokens);
         each running request in `run` computes that many more tokens."""
         new_reqs, cached, counts = [], [], {}
@@ -144,14 +168,24 @@ class Bench:
         for rid, n in counts.items():
             self.computed[rid] += n
         self.step_id += 1
-        return SchedulerOutput(self.step_id, tuple(new_reqs), tuple(cached), counts, sum(counts.values()),
-                               frozenset(), finished, frozenset())
+        return SchedulerOutput(
+            self.step_id,
+            tuple(new_reqs),
+            tuple(cached),
+            counts,
+            sum(counts.values()),
+            frozenset(),
+            finished,
+            frozenset(),
+        )
 
     def _take(self, tokens: int) -> list[int]:
         need = max(0, cdiv(tokens, self.bs))
         if need > len(self.free):
-            raise SystemExit(f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free): "
-                             "every decode batch is kept for the whole run; raise --kv-cache-gib")
+            raise SystemExit(
+                f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free): "
+                "every decode batch is kept for the whole run; raise --kv-cache-gib"
+            )
         taken, self.free = self.free[:need], self.free[need:]
         return taken
 
@@ -167,16 +201,23 @@ class Bench:
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return {f"r{seed}-{i}": torch.randint(10, vocab, (length,), generator=gen).tolist() for i in range(n)}
+    return {
+        f"r{seed}-{i}": torch.randint(10, vocab, (length,), generator=gen).tolist()
+        for i in range(n)
+    }
 
 
 def start_decodes(bench: Bench, batch: int, context: int) -> list[str]:
     """Prefill `batch` requests of `context` tokens (untimed); returns their ids."""
-    reqs = prompts(batch, context, bench.runner.info.vocab_size, seed=10**7 + batch * 10**5 + context)
+    reqs = prompts(
+        batch, context, bench.runner.info.vocab_size, seed=10**7 + batch * 10**5 + context
+    )
     ids = list(reqs)
     per_step = max(1, 4096 // context)  # prefill a few requests per step
     for start in range(0, batch, per_step):
-        bench.runner.execute(bench.plan({rid: reqs[rid] for rid in ids[start : start + per_step]}, {}))
+        bench.runner.execute(
+            bench.plan({rid: reqs[rid] for rid in ids[start : start + per_step]}, {})
+        )
     return ids
 
 
@@ -219,28 +260,50 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
     return {key: median(v) for key, v in times.items()}
 
 
-def build_runner(args: argparse.Namespace, gguf_activations: str = "auto", kv_cache_dtype: str | None = None) -> ModelRunner:
-    config = WorkerConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-                          max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_gib << 30,
-                          num_threads=args.threads, enforce_eager=args.enforce_eager,
-                          gguf_activations=gguf_activations, kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype)
+def build_runner(
+    args: argparse.Namespace, gguf_activations: str = "auto", kv_cache_dtype: str | None = None
+) -> ModelRunner:
+    config = WorkerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_gib << 30,
+        num_threads=args.threads,
+        enforce_eager=args.enforce_eager,
+        gguf_activations=gguf_activations,
+        kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype,
+    )
     if args.model_shape is None:
         return ModelRunner(config)
     if not args.random_weights:
         raise SystemExit("--model-shape needs --random-weights (no weights ship for it)")
     shape = MODEL_SHAPES[args.model_shape]
     device = resolve_device(args.device)
-    return ModelRunner(config, loaded=(shape, random_weights(shape, device, resolve_dtype(args.dtype, device))))
+    return ModelRunner(
+        config, loaded=(shape, random_weights(shape, device, resolve_dtype(args.dtype, device)))
+    )
 
 
-def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, Any]:
+def measure(
+    runner: ModelRunner, args: argparse.Namespace, rates: dict[str, float]
+) -> dict[str, Any]:
     """Decode and prefill numbers for one runner, with roofline fractions."""
     info, bench = runner.info, Bench(runner)
-    weight_bytes = info.weight_bytes or info.num_params * torch.empty((), dtype=runner.dtype).element_size()
+    weight_bytes = (
+        info.weight_bytes or info.num_params * torch.empty((), dtype=runner.dtype).element_size()
+    )
     c = runner.model_config
     head_params = c.vocab_size * c.hidden_size
-    matmul_params = info.num_params - head_params * (1 if c.tie_word_embeddings else 2)  # no embedding, no head
-    flops_rate = rates[f"matmul_flops_{info.dtype}"] if f"matmul_flops_{info.dtype}" in rates else rates["matmul_flops_float32"]
+    matmul_params = info.num_params - head_params * (
+        1 if c.tie_word_embeddings else 2
+    )  # no embedding, no head
+    flops_rate = (
+        rates[f"matmul_flops_{info.dtype}"]
+        if f"matmul_flops_{info.dtype}" in rates
+        else rates["matmul_flops_float32"]
+    )
     measured = measure_steps(bench, [(b, c) for c in args.context for b in args.batches],
                              [(n, c) for c in args.chunk_context for n in args.chunks], args.repeat)
     decode, prefill, steps = {}, {}, []
@@ -251,29 +314,59 @@ def measure(runner: ModelRunner, args: argparse.Namespace, rates: dict[str, floa
         if kind == "decode" and context == args.context[0]:
             step_bytes = weight_bytes + batch * (context + 1) * info.kv_bytes_per_token
             # every decode token also runs the LM head, so it counts as a matmul here
-            bound = max(step_bytes / rates["copy_bandwidth_bytes"], 2 * (matmul_params + head_params) * batch / flops_rate)
+            bound = max(
+                step_bytes / rates["copy_bandwidth_bytes"],
+                2 * (matmul_params + head_params) * batch / flops_rate,
+            )
             decode[str(batch)] = {
-                "step_ms": round(seconds * 1e3, 3), "tokens_per_s": round(batch / seconds, 1),
-                "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / seconds, 3),
+                "step_ms": round(seconds * 1e3, 3),
+                "tokens_per_s": round(batch / seconds, 1),
+                "roofline_ms": round(bound * 1e3, 3),
+                "roofline_fraction": round(bound / seconds, 3),
             }
         elif kind == "prefill" and context == args.chunk_context[0]:
             bound = 2 * matmul_params * tokens / flops_rate
             prefill[str(tokens)] = {
-                "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens / seconds, 1),
-                "roofline_ms": round(bound * 1e3, 2), "roofline_fraction": round(bound / seconds, 3),
+                "step_ms": round(seconds * 1e3, 2),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "roofline_ms": round(bound * 1e3, 2),
+                "roofline_fraction": round(bound / seconds, 3),
             }
-    return {"dtype": info.dtype, "quantization": info.quantization, "gguf_activations": runner.gguf_activations,
-            "kv_cache_dtype": info.kv_cache_dtype, "compiled": info.compiled,
-            "weight_bytes": weight_bytes, "decode": decode, "prefill": prefill, "steps": steps}
+    return {
+        "dtype": info.dtype,
+        "quantization": info.quantization,
+        "gguf_activations": runner.gguf_activations,
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "compiled": info.compiled,
+        "weight_bytes": weight_bytes,
+        "decode": decode,
+        "prefill": prefill,
+        "steps": steps,
+    }
 
 
 # ---- --breakdown ----------------------------------------------------------------------------
 
 _OP_GROUPS = (  # profiler op names (substrings) -> group; first match wins
     ("kv", ("index_copy", "index_select", "index_put", "set_kv_cache", "bind_step")),
-    ("attention", ("paged_attention", "scaled_dot_product", "flash_attention", "_efficient_attention")),
-    ("matmul", ("lowbit_linear", "aten::mm", "aten::addmm", "aten::bmm", "_weight_int8pack_mm",
-                "_weight_int4pack_mm", "mkldnn", "aten::linear", "aten::matmul")),
+    (
+        "attention",
+        ("paged_attention", "scaled_dot_product", "flash_attention", "_efficient_attention"),
+    ),
+    (
+        "matmul",
+        (
+            "lowbit_linear",
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "_weight_int8pack_mm",
+            "_weight_int4pack_mm",
+            "mkldnn",
+            "aten::linear",
+            "aten::matmul",
+        ),
+    ),
 )
 
 
@@ -284,10 +377,16 @@ def _op_group(name: str) -> str:
 class PhaseTimer:
     """Wall time of each phase of `runner.execute`, by wrapping the bound methods it calls."""
 
-    PHASES = (("batch", "apply", "apply_plan"), ("batch", "prepare", "prepare_inputs"),
-              ("batch", "attention_metadata", "attention_metadata"), ("attention", "bind", "attention_metadata"),
-              ("", "forward", "forward"), ("model", "compute_logits", "logits"), ("sampler", "sample", "sampler"),
-              ("batch", "advance", "advance"))
+    PHASES = (
+        ("batch", "apply", "apply_plan"),
+        ("batch", "prepare", "prepare_inputs"),
+        ("batch", "attention_metadata", "attention_metadata"),
+        ("attention", "bind", "attention_metadata"),
+        ("", "forward", "forward"),
+        ("model", "compute_logits", "logits"),
+        ("sampler", "sample", "sampler"),
+        ("batch", "advance", "advance"),
+    )
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -335,7 +434,9 @@ def _phases(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int) 
     return out
 
 
-def _forward_ops(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int) -> dict[str, float]:
+def _forward_ops(
+    bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int
+) -> dict[str, float]:
     """The eager forward's operators per step (self CPU ms, torch profiler), by group."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -366,7 +467,9 @@ def ipc_round_trip_ms(batch: int, steps: int = 100) -> dict[str, float]:
     from worker.process.main import INSTANT_RUNNER_FACTORY
 
     async def run() -> dict[str, float]:
-        client = WorkerClient(WorkerConfig(device="cpu", kv_cache_memory=4 << 30), INSTANT_RUNNER_FACTORY)
+        client = WorkerClient(
+            WorkerConfig(device="cpu", kv_cache_memory=4 << 30), INSTANT_RUNNER_FACTORY
+        )
         await client.start()
         try:
             fake = Bench(None, client.info)  # type: ignore[arg-type]  # plans only, run by the client
@@ -383,8 +486,11 @@ def ipc_round_trip_ms(batch: int, steps: int = 100) -> dict[str, float]:
                 executes.append(out.execute_time)
         finally:
             await client.shutdown()
-        return {"round_trip_ms": round(median(trips) * 1e3, 3), "worker_execute_ms": round(median(executes) * 1e3, 3),
-                "ipc_ms": round((median(trips) - median(executes)) * 1e3, 3)}
+        return {
+            "round_trip_ms": round(median(trips) * 1e3, 3),
+            "worker_execute_ms": round(median(executes) * 1e3, 3),
+            "ipc_ms": round((median(trips) - median(executes)) * 1e3, 3),
+        }
 
     return asyncio.run(run())
 
@@ -400,9 +506,11 @@ def breakdown(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
             return bench.plan({}, dict.fromkeys(ids, 1))
 
         steps = max(3, min(20, 400 // batch))
-        out[f"decode_{batch}"] = {"phases_ms": _phases(bench, decode_plan, steps),
-                                  "eager_forward_ops": _forward_ops(bench, decode_plan, max(2, steps // 4)),
-                                  "ipc": ipc_round_trip_ms(batch)}
+        out[f"decode_{batch}"] = {
+            "phases_ms": _phases(bench, decode_plan, steps),
+            "eager_forward_ops": _forward_ops(bench, decode_plan, max(2, steps // 4)),
+            "ipc": ipc_round_trip_ms(batch),
+        }
         bench.finish(ids)
     tokens = args.chunks[0]
     holder: list[str] = []
@@ -431,7 +539,9 @@ class Arm:
     switch: Callable[[], None] = lambda: None
 
 
-def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, steps: int = 3) -> dict[str, Any]:
+def runners_ab(
+    arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, steps: int = 3
+) -> dict[str, Any]:
     """Two arms in one process, alternating which goes first each round so both share the
     machine's drift: every decode batch (at the first --context) and prefill chunk (after the
     first --chunk-context), `steps` steps a round; medians, and the median over each two
@@ -448,7 +558,10 @@ def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, ste
     for arm in sides.values():
         if id(arm.runner) not in benches:
             bench = Bench(arm.runner)
-            benches[id(arm.runner)] = bench, {n: start_decodes(bench, n, context) for n in args.batches}
+            benches[id(arm.runner)] = (
+                bench,
+                {n: start_decodes(bench, n, context) for n in args.batches},
+            )
 
     def once(name: str, shape: tuple[str, int]) -> float:
         arm = sides[name]
@@ -457,7 +570,10 @@ def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, ste
         if shape[0] == "prefill":
             return sum(prefill_once(bench, shape[1], chunk_context) for _ in range(steps)) / steps
         ids = groups[shape[1]]
-        return sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps)) / steps
+        return (
+            sum(timed_execute(bench, bench.plan({}, dict.fromkeys(ids, 1))) for _ in range(steps))
+            / steps
+        )
 
     shapes = [("decode", n) for n in args.batches] + [("prefill", n) for n in args.chunks]
     times: dict[tuple[str, str, int], list[float]] = {}
@@ -470,8 +586,11 @@ def runners_ab(arms: dict[str, ModelRunner | Arm], args: argparse.Namespace, ste
     out: dict[str, Any] = {}
     for kind, n in shapes:
         first, second = times[(a, kind, n)], times[(b, kind, n)]
-        out[f"{kind}_{n}"] = {f"{a}_ms": round(median(first) * 1e3, 3), f"{b}_ms": round(median(second) * 1e3, 3),
-                              f"{a}_over_{b}_pair_median": round(_two_round_ratio(first, second), 3)}
+        out[f"{kind}_{n}"] = {
+            f"{a}_ms": round(median(first) * 1e3, 3),
+            f"{b}_ms": round(median(second) * 1e3, 3),
+            f"{a}_over_{b}_pair_median": round(_two_round_ratio(first, second), 3),
+        }
     sides[a].switch()  # the first arm is the runner as it was
     for bench, _ in benches.values():
         bench.finish_all()
@@ -489,8 +608,12 @@ def activations_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, A
     """The GGUF products with int8 activations (the default where the CPU runs them) against
     float32 ones (`runners_ab`)."""
     if runner.gguf_activations != "int8":
-        return {"skipped": f"this runner's GGUF activations are {runner.gguf_activations}, not int8"}
-    return runners_ab({"int8": runner, "float32": build_runner(args, gguf_activations="float32")}, args)
+        return {
+            "skipped": f"this runner's GGUF activations are {runner.gguf_activations}, not int8"
+        }
+    return runners_ab(
+        {"int8": runner, "float32": build_runner(args, gguf_activations="float32")}, args
+    )
 
 
 def kv_cache_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
@@ -505,7 +628,9 @@ def chunk_attention_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[st
     """Long prefill chunks through the C++ chunk kernel (the default on the C++ attention)
     against torch's SDPA, the same runner switched between turns (`runners_ab`)."""
     if runner.info.attention_backend != "cpu":
-        return {"skipped": f"this runner's attention backend is {runner.info.attention_backend}, not cpu"}
+        return {
+            "skipped": f"this runner's attention backend is {runner.info.attention_backend}, not cpu"
+        }
     ops = torch.ops.stepserve_cpu
     return runners_ab({"kernel": Arm(runner, lambda: ops.set_chunk_kernel(True)),
                        "sdpa": Arm(runner, lambda: ops.set_chunk_kernel(False))}, args)
@@ -530,39 +655,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2 GGUF)")
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None)
     parser.add_argument("--random-weights", action="store_true")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument(
+        "--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"]
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--context", type=int, nargs="+", default=[256],
-                        help="decode context(s); the decode table uses the first, `steps` lists all "
-                             "(a grid of contexts is what `stepserve simulate calibrate` needs)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        nargs="+",
+        default=[256],
+        help="decode context(s); the decode table uses the first, `steps` lists all "
+        "(a grid of contexts is what `stepserve simulate calibrate` needs)",
+    )
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048])
-    parser.add_argument("--chunk-context", type=int, nargs="+", default=[0],
-                        help="tokens already computed before each prefill chunk; the prefill table uses the first")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds over all step shapes (median kept)")
+    parser.add_argument(
+        "--chunk-context",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="tokens already computed before each prefill chunk; the prefill table uses the first",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="timed rounds over all step shapes (median kept)"
+    )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=int, default=4,
                         help="CPU KV cache size; every decode batch stays cached for the whole run "
                              "(the default grid needs ~2.2 GiB with SmolLM2 in fp32)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also break each decode batch's step (and one prefill chunk) into phases and operator groups")
-    parser.add_argument("--compare-activations", action="store_true",
-                        help="also time every decode batch and prefill chunk with the GGUF products' int8 activations "
-                             "(the default where the CPU runs them) against float32 ones, two runners in one "
-                             "process, alternating rounds")
-    parser.add_argument("--compare-kv-cache", action="store_true",
-                        help="also time every decode batch and prefill chunk with this runner's KV cache element type "
-                             "(float16 by default on the C++ attention) against a float32 cache, the same way")
-    parser.add_argument("--ab-rounds", type=int, default=16,
-                        help="timed rounds of every --compare-* A/B, an even number (half in each order)")
-    parser.add_argument("--compare-chunk-attention", action="store_true",
-                        help="also time every decode batch and prefill chunk (after the first --chunk-context) with "
-                             "long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument(
+        "--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also break each decode batch's step (and one prefill chunk) into phases and operator groups",
+    )
+    parser.add_argument(
+        "--compare-activations",
+        action="store_true",
+        help="also time every decode batch and prefill chunk with the GGUF products' int8 activations "
+        "(the default where the CPU runs them) against float32 ones, two runners in one "
+        "process, alternating rounds",
+    )
+    parser.add_argument(
+        "--compare-kv-cache",
+        action="store_true",
+        help="also time every decode batch and prefill chunk with this runner's KV cache element type "
+        "(float16 by default on the C++ attention) against a float32 cache, the same way",
+    )
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=16,
+        help="timed rounds of every --compare-* A/B, an even number (half in each order)",
+    )
+    parser.add_argument(
+        "--compare-chunk-attention",
+        action="store_true",
+        help="also time every decode batch and prefill chunk (after the first --chunk-context) with "
+        "long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way",
+    )
     args = parser.parse_args(argv)
     if args.ab_rounds < 2 or args.ab_rounds % 2:
         parser.error(f"--ab-rounds must be an even number >= 2, got {args.ab_rounds}")
@@ -570,13 +731,22 @@ def main(argv: list[str] | None = None) -> int:
     runner = build_runner(args)
     # fp32 always (the reference roof); bf16 when it is used or compared: on a CPU without
     # native bf16 its 1024^3 matmul alone takes seconds
-    dtypes = ("float32",) if runner.info.dtype == "float32" and not args.compare_dtypes else ("float32", "bfloat16")
+    dtypes = (
+        ("float32",)
+        if runner.info.dtype == "float32" and not args.compare_dtypes
+        else ("float32", "bfloat16")
+    )
     rates = machine_rates(runner.device, tuple(dict.fromkeys((*dtypes, runner.info.dtype))))
     report: dict[str, Any] = {
-        "model": runner.info.model_name, "device": runner.info.device, "threads": torch.get_num_threads(),
-        "attention_backend": runner.info.attention_backend, "num_params": runner.info.num_params,
-        "context": args.context[0], "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
-        "machine_units": "GFLOP/s and GB/s", "results": [measure(runner, args, rates)],
+        "model": runner.info.model_name,
+        "device": runner.info.device,
+        "threads": torch.get_num_threads(),
+        "attention_backend": runner.info.attention_backend,
+        "num_params": runner.info.num_params,
+        "context": args.context[0],
+        "machine": {k: round(v / 1e9, 2) for k, v in rates.items()},
+        "machine_units": "GFLOP/s and GB/s",
+        "results": [measure(runner, args, rates)],
     }
     if args.breakdown:
         report["breakdown"] = breakdown(runner, args)
@@ -590,15 +760,29 @@ def main(argv: list[str] | None = None) -> int:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner
         # the bf16 pass is kept short: without AVX-512 BF16 / AMX, CPU bf16 matmuls are slow
-        short = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "batches": [1, 8], "chunks": [256], "repeat": 3,
-                                      "context": args.context[:1], "chunk_context": [0]})
+        short = argparse.Namespace(
+            **{
+                **vars(args),
+                "dtype": "bfloat16",
+                "batches": [1, 8],
+                "chunks": [256],
+                "repeat": 3,
+                "context": args.context[:1],
+                "chunk_context": [0],
+            }
+        )
         other = build_runner(short)
         report["results"].append(measure(other, short, rates))
         alt = greedy_tokens(other, 8, 32, 32)
         same = sum(a == b for a, b in zip(base, alt, strict=True))
-        report["bf16_vs_fp32_greedy"] = {"identical_sequences": same, "of": len(base),
-                                         "identical_tokens": sum(x == y for a, b in zip(base, alt, strict=True) for x, y in zip(a, b, strict=True)),
-                                         "of_tokens": sum(len(a) for a in base)}
+        report["bf16_vs_fp32_greedy"] = {
+            "identical_sequences": same,
+            "of": len(base),
+            "identical_tokens": sum(
+                x == y for a, b in zip(base, alt, strict=True) for x, y in zip(a, b, strict=True)
+            ),
+            "of_tokens": sum(len(a) for a in base),
+        }
     print(json.dumps(report, indent=2))
     return 0
 

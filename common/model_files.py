@@ -57,5 +57,7 @@ def resolve_model_path(model: str | None) -> Path:
         return find_default_model()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory (expected a GGUF file or an HF model directory)")
+        raise ModelLoadError(
+            f"{path}: no such file or directory (expected a GGUF file or an HF model directory)"
+        )
     return path

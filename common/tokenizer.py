@@ -31,7 +31,9 @@ def load_tokenizer(path: str | Path | None = None, cache: bool = True) -> Tokeni
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model.parent), gguf_file=model.name)
     except Exception as exc:
-        raise ModelLoadError(f"{model}: cannot build a tokenizer from the GGUF metadata ({exc})") from exc
+        raise ModelLoadError(
+            f"{model}: cannot build a tokenizer from the GGUF metadata ({exc})"
+        ) from exc
     if cached is not None:
         _save_atomically(tokenizer, cached)
     return tokenizer
@@ -43,14 +45,18 @@ def apply_chat_template(
     """Token ids of `messages` rendered with the tokenizer's own chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     # the template already contains any BOS token, so no special tokens are added again
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _cache_dir(model: Path) -> Path:
     stat = model.stat()
-    key = hashlib.sha256(f"{model.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{model.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     return model_cache_dir() / "tokenizers" / f"{model.stem}-{key}"
 
 

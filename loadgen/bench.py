@@ -41,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="exact output lengths (default: on for synthetic and shared-prefix)")
-    p.add_argument("--tokenizer", default=None,
-                   help="GGUF file, HF directory or tokenizer.json (default: stepserve's default model)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF file, HF directory or tokenizer.json (default: stepserve's default model)",
+    )
     p.add_argument("--no-tokenizer", action="store_true",
                    help="send token-id prompts without loading a tokenizer (completions only)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
@@ -73,7 +76,9 @@ async def run_benchmark(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, unit="req")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         start = time.perf_counter()
 
         async def one(req: WorkloadRequest) -> RequestRecord:
@@ -124,12 +129,18 @@ async def _main_async(args: argparse.Namespace) -> int:
     if model is None:
         async with aiohttp.ClientSession() as session:
             model = await fetch_model(session, args.base_url, args.api_key)
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset in ("synthetic", "shared-prefix")
+    ignore_eos = (
+        args.ignore_eos
+        if args.ignore_eos is not None
+        else args.dataset in ("synthetic", "shared-prefix")
+    )
     target = Target(url=args.base_url.rstrip("/") + args.endpoint, model=model,
                     api_key=args.api_key, ignore_eos=ignore_eos, temperature=args.temperature)
     if target.chat and any(r.prompt_text is None for r in requests):
         raise ValueError("the chat endpoint needs text prompts: drop --no-tokenizer")
-    records, duration = await run_benchmark(requests, target, args.max_concurrency, not args.disable_tqdm)
+    records, duration = await run_benchmark(
+        requests, target, args.max_concurrency, not args.disable_tqdm
+    )
     summary = summarize(records, duration, slos or None)
     print(format_table(summary))
     for message, count in error_counts(records).items():

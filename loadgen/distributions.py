@@ -36,7 +36,9 @@ class LengthDist:
         if self.kind == "uniform" and self.b < self.a:
             raise ValueError(f"uniform length: HI ({self.b}) must be >= LO ({self.a})")
         if self.kind == "lognormal" and (self.a <= 0 or self.b < 0):
-            raise ValueError(f"lognormal length: MEAN must be > 0 and SIGMA >= 0, got {self.a}, {self.b}")
+            raise ValueError(
+                f"lognormal length: MEAN must be > 0 and SIGMA >= 0, got {self.a}, {self.b}"
+            )
         if self.cap is not None and self.cap < 1:
             raise ValueError(f"lognormal length: MAX must be >= 1, got {self.cap}")
 
@@ -106,7 +108,9 @@ class PriorityMix:
         if not self.priorities or len(self.priorities) != len(self.weights):
             raise ValueError("priority mix needs one weight per priority and at least one pair")
         if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
-            raise ValueError(f"priority mix weights must be >= 0 with a positive sum, got {self.weights}")
+            raise ValueError(
+                f"priority mix weights must be >= 0 with a positive sum, got {self.weights}"
+            )
 
     @classmethod
     def parse(cls, spec: str) -> PriorityMix:

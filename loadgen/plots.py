@@ -48,7 +48,9 @@ def plot_latency_cdfs(records: list[RequestRecord], path: Path) -> Path:
 
 def in_flight_over_time(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
     """Step function of requests in flight: (times, counts after each time)."""
-    events = sorted([(r.start_time, 1) for r in records] + [(r.start_time + r.e2el, -1) for r in records])
+    events = sorted(
+        [(r.start_time, 1) for r in records] + [(r.start_time + r.e2el, -1) for r in records]
+    )
     times = np.asarray([t for t, _ in events], dtype=np.float64)
     counts = np.cumsum([d for _, d in events]) if events else np.asarray([], dtype=np.int64)
     return times, counts

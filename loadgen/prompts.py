@@ -67,7 +67,9 @@ class PromptBuilder:
                 if len(pool) >= pool_size:
                     break
         if len(pool) < 10:
-            raise ValueError("tokenizer has too few plain word tokens to build exact-length prompts")
+            raise ValueError(
+                "tokenizer has too few plain word tokens to build exact-length prompts"
+            )
         return pool
 
     def ids(self, rng: np.random.Generator, n: int) -> list[int]:

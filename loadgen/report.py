@@ -165,7 +165,9 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def _row(label: str, value: Any, fmt: str = ".2f") -> str:
-    text = "n/a" if value is None else (f"{value:{fmt}}" if isinstance(value, float) else str(value))
+    text = (
+        "n/a" if value is None else (f"{value:{fmt}}" if isinstance(value, float) else str(value))
+    )
     return f"{label:<40} {text:<10}"
 
 
@@ -190,7 +192,9 @@ def format_table(summary: dict[str, Any]) -> str:
         short, title = _TITLES[name]
         lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "std"):
-            lines.append(_row(f"{stat.capitalize()} {short} (ms):", summary.get(f"{stat}_{name}_ms")))
+            lines.append(
+                _row(f"{stat.capitalize()} {short} (ms):", summary.get(f"{stat}_{name}_ms"))
+            )
         for key in summary:
             if key.startswith("p") and key.endswith(f"_{name}_ms"):
                 lines.append(_row(f"P{key[1:].split('_')[0]} {short} (ms):", summary[key]))

@@ -48,7 +48,9 @@ def build_payload(target: Target, req: WorkloadRequest) -> dict[str, Any]:
     }
     if target.chat:
         if req.prompt_text is None:
-            raise ValueError(f"{req.request_id}: the chat endpoint needs text prompts (use a tokenizer)")
+            raise ValueError(
+                f"{req.request_id}: the chat endpoint needs text prompts (use a tokenizer)"
+            )
         body["messages"] = [{"role": "user", "content": req.prompt_text}]
     else:
         body["prompt"] = req.prompt_text if req.prompt_text is not None else req.prompt_token_ids

@@ -45,7 +45,9 @@ def load_tokenizer(path: str | Path | None = None) -> ClientTokenizer:
     if target.is_dir():
         target = target / "tokenizer.json"
     if not target.is_file():
-        raise FileNotFoundError(f"{target}: no such tokenizer file (expected a GGUF file or an HF directory)")
+        raise FileNotFoundError(
+            f"{target}: no such tokenizer file (expected a GGUF file or an HF directory)"
+        )
     if target.suffix == ".gguf":
         return ClientTokenizer(gguf_tokenizer(target))
     return ClientTokenizer(Tokenizer.from_file(str(target)))
@@ -85,5 +87,7 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
     bos = _scalar(fields, "tokenizer.ggml.bos_token_id")
     if bool(_scalar(fields, "tokenizer.ggml.add_bos_token")) and bos is not None:
         name = tokens[int(bos)]  # type: ignore[call-overload]
-        tok.post_processor = processors.TemplateProcessing(single=f"{name} $A", special_tokens=[(name, int(bos))])  # type: ignore[call-overload]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{name} $A", special_tokens=[(name, int(bos))]
+        )  # type: ignore[call-overload]
     return tok

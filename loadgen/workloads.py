@@ -122,7 +122,9 @@ def shared_prefix(
     """`n` prompts in `groups` groups; each group's prompts start with the same
     `prefix_len`-token prefix (a shared system prompt), followed by a random suffix."""
     if groups < 1 or prefix_len < 0:
-        raise ValueError(f"shared prefix needs groups >= 1 and prefix_len >= 0, got {groups}, {prefix_len}")
+        raise ValueError(
+            f"shared prefix needs groups >= 1 and prefix_len >= 0, got {groups}, {prefix_len}"
+        )
     lengths = _stream(seed, _LENGTHS)
     slens, olens = suffix_len.sample(lengths, n), output_len.sample(lengths, n)
     builder, tokens = PromptBuilder(tokenizer, seed=seed), _stream(seed, _TOKENS)
@@ -198,7 +200,9 @@ def from_sharegpt(
     under 4 prompt or output tokens are skipped, as are prompts over `max_prompt_len`.
     """
     builder = PromptBuilder(tokenizer, seed=seed)
-    entries = [e for e in json.loads(Path(path).read_text()) if len(e.get("conversations", [])) >= 2]
+    entries = [
+        e for e in json.loads(Path(path).read_text()) if len(e.get("conversations", [])) >= 2
+    ]
     order = _stream(seed, _ORDER).permutation(len(entries))
     usable: list[tuple[str, int, int]] = []
     for idx in order:
@@ -233,12 +237,16 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of prefixes")
     g.add_argument("--priority-mix", type=PriorityMix.parse, default=None,
                    help="e.g. 0:0.8,10:0.2 (priority:weight)")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    g.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)"
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--seed", type=int, default=0)
 
 
-def workload_from_args(args: argparse.Namespace, tokenizer: Any | None = None) -> list[WorkloadRequest]:
+def workload_from_args(
+    args: argparse.Namespace, tokenizer: Any | None = None
+) -> list[WorkloadRequest]:
     """Build the workload the flags of `add_workload_args` describe."""
     common: dict[str, Any] = {
         "rate": args.request_rate, "burstiness": args.burstiness, "seed": args.seed,
@@ -252,5 +260,7 @@ def workload_from_args(args: argparse.Namespace, tokenizer: Any | None = None) -
         return build(args.dataset_path, args.num_prompts, out, **common)
     out = out or LengthDist.parse("128")
     if args.dataset == "shared-prefix":
-        return shared_prefix(args.num_prompts, args.num_groups, args.prefix_len, args.prompt_len, out, **common)
+        return shared_prefix(
+            args.num_prompts, args.num_groups, args.prefix_len, args.prompt_len, out, **common
+        )
     return synthetic(args.num_prompts, args.prompt_len, out, **common)

@@ -101,10 +101,16 @@ class BlockPool:
         """`holders`: block id -> number of live requests holding it."""
         for b in range(self.num_blocks):
             rc = self.ref_counts[b]
-            assert rc == holders.get(b, 0), f"block {b}: ref count {rc} != {holders.get(b, 0)} holders"
-            assert (rc == 0) == (b in self.free_queue), f"block {b}: ref {rc} but free={b in self.free_queue}"
+            assert rc == holders.get(b, 0), (
+                f"block {b}: ref count {rc} != {holders.get(b, 0)} holders"
+            )
+            assert (rc == 0) == (b in self.free_queue), (
+                f"block {b}: ref {rc} but free={b in self.free_queue}"
+            )
         for key, b in self.cached.items():
             assert self.block_keys[b] == key, f"cached block {b} has a stale key"
         cached_free = sum(1 for b in self.free_queue if self.block_keys[b] is not None)
-        assert cached_free == self.num_cached_free, f"{self.num_cached_free} cached free blocks counted, {cached_free} found"
+        assert cached_free == self.num_cached_free, (
+            f"{self.num_cached_free} cached free blocks counted, {cached_free} found"
+        )
         assert self.num_used + self.num_free == self.num_blocks

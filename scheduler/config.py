@@ -18,7 +18,13 @@ PreemptionMode = Literal["recompute", "swap", "auto"]
 VictimPolicy = Literal["newest", "priority", "fewest_output", "least_remaining", "largest_kv"]
 Predictor = Literal["learned", "max_tokens"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "sjf", "fair")
-VICTIM_POLICIES: tuple[VictimPolicy, ...] = ("newest", "priority", "fewest_output", "least_remaining", "largest_kv")
+VICTIM_POLICIES: tuple[VictimPolicy, ...] = (
+    "newest",
+    "priority",
+    "fewest_output",
+    "least_remaining",
+    "largest_kv",
+)
 PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
 
@@ -30,7 +36,9 @@ def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len:
     whole max-length prompt in one step when prompts cannot be chunked."""
     if given is not None:
         return given
-    return DEFAULT_TOKEN_BUDGET if enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
+    return (
+        DEFAULT_TOKEN_BUDGET if enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
+    )
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: a chunk is only capped by the token budget
     preemption_mode: PreemptionMode = "recompute"
-    victim_policy: VictimPolicy | None = None  # None: "priority" under the priority policy, else "newest"
+    victim_policy: VictimPolicy | None = (
+        None  # None: "priority" under the priority policy, else "newest"
+    )
     # Output-length prediction (sjf ranks and least_remaining victims; see scheduler/predictor.py).
     output_len_predictor: Predictor = "learned"
     sjf_aging_rate: float = 100.0  # tokens of predicted work forgiven per second of waiting
@@ -57,7 +67,9 @@ class SchedulerConfig:
     fair_output_weight: float = 2.0
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, share weight); others weigh 1
     enable_prefix_caching: bool = True
-    priority_preemption_threshold: int | None = None  # None: waiting requests never preempt running ones
+    priority_preemption_threshold: int | None = (
+        None  # None: waiting requests never preempt running ones
+    )
     # preemption_mode="auto" prices a swap at swap_bandwidth (the server passes the worker's
     # measured copy bandwidth) and a recompute with step_cost, or without one, dense FLOPs
     # at compute_rate (defaults: a Llama-3.1-8B-shaped model on an A100).
@@ -77,25 +89,41 @@ class SchedulerConfig:
     step_cost: StepCostFn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_gpu_blocks")
+        positive = (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "block_size",
+            "num_gpu_blocks",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}"
+            )
         if self.victim_policy is not None and self.victim_policy not in VICTIM_POLICIES:
-            raise ValueError(f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim_policy!r}")
+            raise ValueError(
+                f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim_policy!r}"
+            )
         self._check_policy_fields()
         if self.preemption_mode in ("swap", "auto") and self.num_cpu_blocks == 0:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs num_cpu_blocks > 0 (swap space)")
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} needs num_cpu_blocks > 0 (swap space)"
+            )
         if self.aging_period <= 0:
             raise ValueError(f"aging_period must be > 0 seconds, got {self.aging_period}")
         if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -105,8 +133,13 @@ class SchedulerConfig:
             )
         if self.priority_preemption_threshold is not None and self.scheduling_policy != "priority":
             raise ValueError("priority_preemption_threshold needs scheduling_policy='priority'")
-        if self.priority_preemption_threshold is not None and self.priority_preemption_threshold < 1:
-            raise ValueError(f"priority_preemption_threshold must be >= 1, got {self.priority_preemption_threshold}")
+        if (
+            self.priority_preemption_threshold is not None
+            and self.priority_preemption_threshold < 1
+        ):
+            raise ValueError(
+                f"priority_preemption_threshold must be >= 1, got {self.priority_preemption_threshold}"
+            )
         for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -134,9 +167,13 @@ class SchedulerConfig:
 
     def _check_policy_fields(self) -> None:
         if self.output_len_predictor not in PREDICTORS:
-            raise ValueError(f"output_len_predictor must be one of {', '.join(PREDICTORS)}, got {self.output_len_predictor!r}")
+            raise ValueError(
+                f"output_len_predictor must be one of {', '.join(PREDICTORS)}, got {self.output_len_predictor!r}"
+            )
         if not self.sjf_aging_rate > 0:
-            raise ValueError(f"sjf_aging_rate must be > 0 tokens per second, got {self.sjf_aging_rate}")
+            raise ValueError(
+                f"sjf_aging_rate must be > 0 tokens per second, got {self.sjf_aging_rate}"
+            )
         for name in ("fair_prompt_weight", "fair_output_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

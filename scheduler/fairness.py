@@ -186,7 +186,9 @@ def parse_tenant_weights(spec: str) -> tuple[tuple[str, float], ...]:
         except (OSError, ValueError) as exc:
             raise ValueError(f"tenant weights file {spec!r}: {exc}") from exc
         if not isinstance(data, dict):
-            raise ValueError(f"tenant weights file {spec!r}: expected a JSON object of tenant: weight")
+            raise ValueError(
+                f"tenant weights file {spec!r}: expected a JSON object of tenant: weight"
+            )
         pairs = list(data.items())
     else:
         pairs = []
@@ -200,6 +202,8 @@ def parse_tenant_weights(spec: str) -> tuple[tuple[str, float], ...]:
         try:
             out.append((str(name), float(value)))
         except (TypeError, ValueError):
-            raise ValueError(f"tenant weights: weight of {name!r} is not a number: {value!r}") from None
+            raise ValueError(
+                f"tenant weights: weight of {name!r} is not a number: {value!r}"
+            ) from None
     return tuple(out)
 

@@ -143,7 +143,9 @@ class KVCacheManager:
         self.pool.free(reversed(device))
         return list(zip(device, host, strict=True))
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[tuple[int, int]], list[int]] | None:
+    def swap_in(
+        self, request: Request, num_new_tokens: int
+    ) -> tuple[list[tuple[int, int]], list[int]] | None:
         """Bring a swapped request back with room for `num_new_tokens` more; returns the
         (host, device) pairs and the whole new block table, or None if it does not fit."""
         host = self.host_blocks[request.request_id]

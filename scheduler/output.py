@@ -62,7 +62,11 @@ class SchedulerOutput:
     def is_noop(self) -> bool:
         """Nothing at all for the worker to do: such a plan need not be sent."""
         return self.is_empty and not (
-            self.finished_req_ids or self.aborted_req_ids or self.preempted_req_ids or self.swap_out or self.swap_in
+            self.finished_req_ids
+            or self.aborted_req_ids
+            or self.preempted_req_ids
+            or self.swap_out
+            or self.swap_in
         )
 
     @property

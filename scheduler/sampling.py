@@ -39,16 +39,30 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self._check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        self._check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        self._check(
+            self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        self._check(
+            self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"
+        )
         self._check(
             self.min_tokens <= self.max_tokens,
             "min_tokens",
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
-        self._check(self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        self._check(
+            self.temperature >= 0.0,
+            "temperature",
+            f"temperature must be >= 0, got {self.temperature}",
+        )
         self._check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        self._check(self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        self._check(
+            self.top_k == -1 or self.top_k >= 0,
+            "top_k",
+            f"top_k must be -1 (disabled) or >= 0, got {self.top_k}",
+        )
         self._check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         self._check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         self._check(
@@ -56,10 +70,26 @@ class SamplingParams:
             "logprobs",
             f"logprobs must be between 0 and 20, got {self.logprobs}",
         )
-        self._check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        self._check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        self._check(self.repetition_penalty > 0.0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        self._check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative")
+        self._check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        self._check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        self._check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        self._check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative",
+        )
         self._check(
             self.seed is None or -(2**63) <= self.seed < 2**63,
             "seed",

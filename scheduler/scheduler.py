@@ -165,7 +165,13 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted by an earlier request of this step
             n = self._tokens_for(req, step.budget)
-            n = self._time.chunk(step, req.num_computed_tokens, n, req.num_tokens + req.num_placeholders) if n else 0  # type: ignore[union-attr]
+            n = (
+                self._time.chunk(
+                    step, req.num_computed_tokens, n, req.num_tokens + req.num_placeholders
+                )
+                if n
+                else 0
+            )  # type: ignore[union-attr]
             if n:
                 self._fit(req, n, step, 0)
 
@@ -179,7 +185,9 @@ class Scheduler:
             if new is not None:
                 step.add(req, n, new)
                 return True, shift
-            victim = pick_victim(self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by)
+            victim = pick_victim(
+                self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by
+            )
             if self.running.index(victim) < position - shift:
                 shift += 1
             self._preempt(victim, step, "kv", req.request_id)
@@ -232,7 +240,9 @@ class Scheduler:
             (step.resumed if rid in self._known_to_worker else step.new_reqs).add(rid)
             self._admit(req, step)
             step.add(req, n, new)
-            self.fairness_meter.charge(req, hit_tokens + n, samples=False)  # now: the next pick sees it
+            self.fairness_meter.charge(
+                req, hit_tokens + n, samples=False
+            )  # now: the next pick sees it
             # Cache now, so that a sibling admitted later in this step shares these blocks:
             # the worker writes every new KV entry of a layer before attending. Safe because
             # a request admitted here is never unscheduled in the same step.
@@ -273,8 +283,15 @@ class Scheduler:
         if sampling:  # an empty plan may be dropped unsent; it must leave nothing behind
             self._expect_sample[step.step_id] = sampling
         self._last_step = (len(step.scheduled), prefill, decode)
-        self._last_shape = BatchShape(len(step.scheduled), prefill + decode - decodes, decodes, len(sampling),
-                                      pairs, kv_read, len(step.swap_in) + len(step.swap_out))
+        self._last_shape = BatchShape(
+            len(step.scheduled),
+            prefill + decode - decodes,
+            decodes,
+            len(sampling),
+            pairs,
+            kv_read,
+            len(step.swap_in) + len(step.swap_out),
+        )
         if self._time is not None and decodes:
             self._time.count_decodes(decodes, decode_kv)
 
@@ -304,7 +321,9 @@ class Scheduler:
         step.unschedule(victim)
         self.running.remove(victim)
         mode = self.config.preemption_mode
-        swap = mode == "swap" or (mode == "auto" and swap_is_cheaper(self.config, victim.num_computed_tokens))
+        swap = mode == "swap" or (
+            mode == "auto" and swap_is_cheaper(self.config, victim.num_computed_tokens)
+        )
         if swap and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -369,7 +388,11 @@ class Scheduler:
         del self.requests[rid]
         if rid in self._known_to_worker:
             self._known_to_worker.discard(rid)
-            ids = self._aborted_ids if status == RequestStatus.FINISHED_ABORTED else self._finished_ids
+            ids = (
+                self._aborted_ids
+                if status == RequestStatus.FINISHED_ABORTED
+                else self._finished_ids
+            )
             ids.add(rid)
 
     # ---- introspection ------------------------------------------------------------------
@@ -406,7 +429,9 @@ class Scheduler:
         assert len(queued) == len(live) == len({r.request_id for r in queued}), "queues out of sync"
         for req in self.running:
             held = len(self.kv.block_ids(req.request_id))
-            assert held >= cdiv(req.num_computed_tokens, self.config.block_size), f"{req.request_id} short of blocks"
+            assert held >= cdiv(req.num_computed_tokens, self.config.block_size), (
+                f"{req.request_id} short of blocks"
+            )
             assert req.status == RequestStatus.RUNNING
         for req in self.waiting:
             assert req.request_id not in self.kv.blocks, f"waiting {req.request_id} holds blocks"

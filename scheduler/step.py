@@ -79,7 +79,9 @@ class StepBuilder:
                 continue
             is_resumed = rid in self.resumed
             blocks = block_table[rid] if is_resumed else self.new_block_ids.get(rid, [])
-            cached.append(CachedRequestData(rid, tuple(blocks), req.num_computed_tokens, is_resumed))
+            cached.append(
+                CachedRequestData(rid, tuple(blocks), req.num_computed_tokens, is_resumed)
+            )
         counts = {rid: n for rid, (_, n) in self.scheduled.items()}
         return SchedulerOutput(
             step_id=self.step_id,

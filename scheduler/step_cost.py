@@ -49,8 +49,15 @@ class BatchShape:
         self.kv_tokens_read += count * (context + num_tokens)
 
     def copy(self) -> BatchShape:
-        return BatchShape(self.num_reqs, self.num_prefill_tokens, self.num_decode_tokens, self.num_sampled,
-                          self.attention_pairs, self.kv_tokens_read, self.swap_blocks)
+        return BatchShape(
+            self.num_reqs,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.num_sampled,
+            self.attention_pairs,
+            self.kv_tokens_read,
+            self.swap_blocks,
+        )
 
 
 StepCostFn = Callable[[BatchShape], float]
@@ -91,7 +98,9 @@ def recompute_time(cost: StepCostFn, num_tokens: int) -> float:
     return max(0.0, cost(full) - cost(BatchShape()))
 
 
-def swap_is_cheaper(num_tokens: int, kv_bytes_per_token: int, bandwidth: float, cost: StepCostFn) -> bool:
+def swap_is_cheaper(
+    num_tokens: int, kv_bytes_per_token: int, bandwidth: float, cost: StepCostFn
+) -> bool:
     """The one swap-vs-recompute rule of the server and the simulator."""
     return swap_time(num_tokens, kv_bytes_per_token, bandwidth) < recompute_time(cost, num_tokens)
 

@@ -63,7 +63,9 @@ class _Req:
         return len(self.prompt) + self.sampled
 
 
-def calibration_steps(block_size: int, num_blocks: int, max_model_len: int, vocab_size: int) -> list[CalibrationStep]:
+def calibration_steps(
+    block_size: int, num_blocks: int, max_model_len: int, vocab_size: int
+) -> list[CalibrationStep]:
     """The calibration plans for a worker with this KV pool; [] when it is too small for them."""
     need = sum(cdiv(p + 8, block_size) for p in _PROMPTS.values())
     if need > num_blocks or max(_PROMPTS.values()) + 8 > max_model_len:

@@ -59,7 +59,12 @@ class OnlineStepCost:
             raise ValueError("seed_weight and huber must be > 0 and warmup >= 0")
         if block_bytes < 0 or copy_bandwidth < 0:
             raise ValueError("block_bytes and copy_bandwidth must be >= 0")
-        self.forgetting, self.seed_weight, self.huber, self.warmup = forgetting, seed_weight, huber, warmup
+        self.forgetting, self.seed_weight, self.huber, self.warmup = (
+            forgetting,
+            seed_weight,
+            huber,
+            warmup,
+        )
         self.block_bytes, self.copy_bandwidth = block_bytes, copy_bandwidth
         self._live = _Normal()
         self._seed = _Normal()
@@ -111,7 +116,11 @@ class OnlineStepCost:
             return None
         predicted = self.predict(batch)
         err = abs(predicted - seconds) / seconds
-        self.relative_error = err if math.isnan(self.relative_error) else self.relative_error + _EWMA * (err - self.relative_error)
+        self.relative_error = (
+            err
+            if math.isnan(self.relative_error)
+            else self.relative_error + _EWMA * (err - self.relative_error)
+        )
         self.last_predicted, self.last_measured = predicted, seconds
         swap = self.swap_seconds(batch)
         x = self._row(batch, seconds - swap)
@@ -142,7 +151,10 @@ class OnlineStepCost:
 
     def _refit(self) -> None:
         eps = self.seed_weight
-        m = [[a + eps * s for a, s in zip(ra, rs, strict=True)] for ra, rs in zip(self._live.m, self._seed.m, strict=True)]
+        m = [
+            [a + eps * s for a, s in zip(ra, rs, strict=True)]
+            for ra, rs in zip(self._live.m, self._seed.m, strict=True)
+        ]
         for i in range(_N):
             m[i][i] += _RIDGE
         c = [a + eps * s for a, s in zip(self._live.c, self._seed.c, strict=True)]
@@ -228,7 +240,9 @@ def nnls(m: list[list[float]], c: list[float], start: tuple[int, ...] = ()) -> l
         passive[j] = True
         for _ in range(3 * n):
             idx = [i for i in range(n) if passive[i]]
-            sub = solve([[m[i][k] for k in idx] for i in idx], [c[i] for i in idx]) or [0.0] * len(idx)
+            sub = solve([[m[i][k] for k in idx] for i in idx], [c[i] for i in idx]) or [0.0] * len(
+                idx
+            )
             s = [0.0] * n
             for i, v in zip(idx, sub, strict=True):
                 s[i] = v

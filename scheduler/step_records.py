@@ -79,16 +79,30 @@ def compact(rec: Record) -> Record:
 
 def hello(num_blocks: int, block_size: int, token_budget: int | None, **extra: Any) -> Record:
     """The first message of a stream or run: what every record that follows refers to."""
-    return {"type": "hello", "version": RECORD_VERSION, "num_blocks": num_blocks, "block_size": block_size,
-            "token_budget": token_budget, "time_target_ms": None, **extra}
+    return {
+        "type": "hello",
+        "version": RECORD_VERSION,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "token_budget": token_budget,
+        "time_target_ms": None,
+        **extra,
+    }
 
 
 def scheduler_hello(sched: Scheduler, **extra: Any) -> Record:
     """`hello` for a run of the real scheduler."""
     c = sched.config
-    return hello(c.num_gpu_blocks, c.block_size, c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-                 policy=c.scheduling_policy, preemption_mode=c.preemption_mode,
-                 prefix_caching=c.enable_prefix_caching, **extra)
+    return hello(
+        c.num_gpu_blocks,
+        c.block_size,
+        c.max_num_batched_tokens,
+        max_num_seqs=c.max_num_seqs,
+        policy=c.scheduling_policy,
+        preemption_mode=c.preemption_mode,
+        prefix_caching=c.enable_prefix_caching,
+        **extra,
+    )
 
 
 def block_map_of(sched: Scheduler, name: Callable[[str], str] | None = None) -> dict[str, Any]:
@@ -96,7 +110,11 @@ def block_map_of(sched: Scheduler, name: Callable[[str], str] | None = None) -> 
     (tables keyed by `name(request id)` when given)."""
     m = sched.kv.block_map()
     tables = m.tables if name is None else {name(rid): t for rid, t in m.tables.items()}
-    return {"tables": tables, "shared": [[b, rc] for b, rc in m.shared.items()], "cached": m.cached_free}
+    return {
+        "tables": tables,
+        "shared": [[b, rc] for b, rc in m.shared.items()],
+        "cached": m.cached_free,
+    }
 
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -184,7 +202,9 @@ class StepRecorder:
         preemptions = self.sched.last_preemptions
         if preemptions:  # before the composition: a victim no longer decodes
             name = self.name
-            rec["preempted"] = [[name(v), reason, mode, name(by)] for v, reason, mode, by in preemptions]
+            rec["preempted"] = [
+                [name(v), reason, mode, name(by)] for v, reason, mode, by in preemptions
+            ]
             self._decoding.difference_update(p[0] for p in preemptions)
         changed = self._composition(plan, rec)
         if plan.aborted_req_ids:
@@ -196,7 +216,9 @@ class StepRecorder:
         if self.predictor is not None:
             predicted = self.predictor(plan)
             rec["predicted_ms"] = None if predicted is None else round(predicted * 1e3, 4)
-        self._map_dirty |= changed or bool(plan.preempted_req_ids or plan.finished_req_ids or plan.aborted_req_ids)
+        self._map_dirty |= changed or bool(
+            plan.preempted_req_ids or plan.finished_req_ids or plan.aborted_req_ids
+        )
         if self._map_dirty and (now >= self._next_map or not self.sched.has_unfinished_requests()):
             self._take_map(rec, now)
         self._pending[plan.step_id] = rec
@@ -250,7 +272,12 @@ class StepRecorder:
 
     def _composition(self, plan: SchedulerOutput, rec: Record) -> bool:
         """Fill decode / prefill / new / resumed / swapped_in; True if a block table changed."""
-        counts, keys, decoding, prompt = plan.num_scheduled_tokens, self._keys, self._decoding, self._prompt
+        counts, keys, decoding, prompt = (
+            plan.num_scheduled_tokens,
+            self._keys,
+            self._decoding,
+            self._prompt,
+        )
         cached, new_reqs = plan.scheduled_cached_reqs, plan.scheduled_new_reqs
         changed = bool(new_reqs) or any(map(_NEW_BLOCKS, cached))
         others = counts.keys() - decoding
@@ -288,7 +315,9 @@ class StepRecorder:
             prompt[rid] = num_prompt
             rec["prefill"].append([key, n, new.num_computed_tokens])
             if new.num_computed_tokens + n >= num_prompt:
-                decoding.add(rid)  # its prompt is done: it samples now, and decodes from the next plan
+                decoding.add(
+                    rid
+                )  # its prompt is done: it samples now, and decodes from the next plan
             req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
             entry = [key, arrival, num_prompt, new.num_computed_tokens]
@@ -304,7 +333,11 @@ class StepRecorder:
 
     def _counts(self, rec: Record) -> None:
         s, pool = self.sched, self.sched.kv.pool
-        rec["running"], rec["waiting"], rec["swapped"] = len(s.running), len(s.waiting), len(s.swapped)
+        rec["running"], rec["waiting"], rec["swapped"] = (
+            len(s.running),
+            len(s.waiting),
+            len(s.swapped),
+        )
         cached = pool.num_cached_free
         rec["kv"] = [pool.num_used, cached, pool.num_free - cached]
 
@@ -313,4 +346,6 @@ class StepRecorder:
         rec["blocks"] = self._block_map()
         cost = time.perf_counter() - start
         self._map_dirty = False
-        self._next_map = now + max(self.map_interval, cost * MAP_COST_RATIO) if self.map_interval else now
+        self._next_map = (
+            now + max(self.map_interval, cost * MAP_COST_RATIO) if self.map_interval else now
+        )

@@ -39,7 +39,9 @@ from scheduler.step_cost import BatchShape, StepCostFn
 class StepTimeBudget:
     """Per-scheduler state of the time budget; `begin_step` resets the per-step part."""
 
-    def __init__(self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0) -> None:
+    def __init__(
+        self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0
+    ) -> None:
         self.target = target
         self.cost = cost
         self.block_size = block_size
@@ -111,8 +113,13 @@ class StepTimeBudget:
 
     def count_decodes(self, num_decodes: int, kv_tokens: int) -> None:
         """After a step is planned: its `num_decodes` decodes read `kv_tokens` in all."""
-        decodes = BatchShape(num_reqs=num_decodes, num_decode_tokens=num_decodes, num_sampled=num_decodes,
-                             attention_pairs=kv_tokens, kv_tokens_read=kv_tokens)
+        decodes = BatchShape(
+            num_reqs=num_decodes,
+            num_decode_tokens=num_decodes,
+            num_sampled=num_decodes,
+            attention_pairs=kv_tokens,
+            kv_tokens_read=kv_tokens,
+        )
         if self.cost(decodes) > self.target:
             self.num_decode_over_target += 1
 

@@ -37,7 +37,9 @@ PROTECT_OLDEST = frozenset({"fewest_output", "least_remaining", "largest_kv"})
 
 
 def pick_victim(
-    running: list[Request], policy: VictimPolicy, blocks_freed: Callable[[Request], int] | None = None
+    running: list[Request],
+    policy: VictimPolicy,
+    blocks_freed: Callable[[Request], int] | None = None,
 ) -> Request:
     """The running request (`running` in admission order) that gives way under `policy`.
     `blocks_freed(r)`: device blocks preempting r would free (needed by "largest_kv")."""

@@ -40,7 +40,7 @@ class WorkerConfig:
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks
     attention_backend: AttentionBackendName = "auto"
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores; README, Threads)
+    num_threads: int | None = None
     helper_cpu_scheduling: str = "normal"  # the intra-op helpers' scheduling policy: normal | idle | auto (worker.process.cpu_scheduling)
 
     def __post_init__(self) -> None:
@@ -49,27 +49,44 @@ class WorkerConfig:
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch, cpu or flash_attn, got {self.attention_backend!r}"
+            )
         if self.gguf_activations not in ("auto", "int8", "float32"):
-            raise ValueError(f"gguf_activations must be auto, int8 or float32, got {self.gguf_activations!r}")
+            raise ValueError(
+                f"gguf_activations must be auto, int8 or float32, got {self.gguf_activations!r}"
+            )
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):
-            raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be auto, none, gguf, int8 or int4, got {self.quantization!r}"
+            )
         if self.quantization in ("int8", "int4") and self.dtype in ("float32", "float16"):
             raise ValueError(
                 f"quantization={self.quantization} runs with bfloat16 activations (torch's low-bit CPU kernels); "
                 f"dtype={self.dtype} needs quantization=none or gguf"
             )
         if self.quantization == "gguf" and self.dtype in ("bfloat16", "float16"):
-            raise ValueError(f"quantization=gguf runs with float32 activations; dtype={self.dtype} needs quantization none, int8 or int4")
-        if self.batch_invariant and (self.quantization in ("none", "int8", "int4") or self.attention_backend in ("torch", "flash_attn")):
+            raise ValueError(
+                f"quantization=gguf runs with float32 activations; dtype={self.dtype} needs quantization none, int8 or int4"
+            )
+        if self.batch_invariant and (
+            self.quantization in ("none", "int8", "int4")
+            or self.attention_backend in ("torch", "flash_attn")
+        ):
             raise ValueError(
                 "batch_invariant needs the GGUF kernel and the C++ CPU attention (quantization auto or gguf, attention "
                 f"auto or cpu); got quantization={self.quantization}, attention_backend={self.attention_backend}"
@@ -77,7 +94,9 @@ class WorkerConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.helper_cpu_scheduling not in HELPER_CPU_SCHEDULING:
-            raise ValueError(f"helper_cpu_scheduling must be one of {HELPER_CPU_SCHEDULING}, got {self.helper_cpu_scheduling!r}")
+            raise ValueError(
+                f"helper_cpu_scheduling must be one of {HELPER_CPU_SCHEDULING}, got {self.helper_cpu_scheduling!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ class Fit:
     num_compute_bound: int
 
 
-def _solve(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, compute: np.ndarray) -> np.ndarray | None:
+def _solve(
+    f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, compute: np.ndarray
+) -> np.ndarray | None:
     """Non-negative least squares for (a, b, c, d, e, g) given which steps are compute-bound:
     t = max(a * flops, b * bytes) + terms @ (c, d, e, g), `terms` being each step's
     `overhead_terms`.
@@ -73,7 +75,9 @@ def _solve(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, compu
     return best
 
 
-def _refine(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, float]:
+def _refine(
+    f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: np.ndarray
+) -> tuple[np.ndarray, float]:
     """Alternate roof assignment and least squares from `x0`; returns the best (params,
     rel_rmse) seen, `x0` included: each solve is optimal for its roof assignment, not for
     the max() of both roofs, so a later iterate can be worse than an earlier one."""
@@ -88,7 +92,9 @@ def _refine(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: 
         new = _solve(f, m, terms, t, compute)
         if new is None:
             break
-        x = np.array([new[0] or x[0], new[1] or x[1], *new[2:]])  # an unused roof keeps its previous value
+        x = np.array(
+            [new[0] or x[0], new[1] or x[1], *new[2:]]
+        )  # an unused roof keeps its previous value
         err = rel_rmse(x)
         if err < best[1]:
             best = (x, err)
@@ -99,8 +105,14 @@ def _refine(f: np.ndarray, m: np.ndarray, terms: np.ndarray, t: np.ndarray, x0: 
     return best
 
 
-def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: HardwareProfile,
-                block_size: int = 16, name: str | None = None, also_from: Sequence[HardwareProfile] = ()) -> Fit:
+def fit_profile(
+    samples: Sequence[StepSample],
+    shape: ModelShape,
+    base: HardwareProfile,
+    block_size: int = 16,
+    name: str | None = None,
+    also_from: Sequence[HardwareProfile] = (),
+) -> Fit:
     """Fit effective FLOP/s, bandwidth and the per-step, per-request, per-KV-token and
     multi-token overheads; the host link is kept from `base`.
 
@@ -127,12 +139,18 @@ def fit_profile(samples: Sequence[StepSample], shape: ModelShape, base: Hardware
             x0 = x_base.copy()
             x0[roof] *= scale
             starts.append(x0)
-    starts += [np.array([1 / p.peak_flops, 1 / p.memory_bandwidth, *p.overheads]) for p in also_from]
+    starts += [
+        np.array([1 / p.peak_flops, 1 / p.memory_bandwidth, *p.overheads]) for p in also_from
+    ]
     best_x, best_err = min((_refine(f, m, terms, t, x0) for x0 in starts), key=lambda res: res[1])
     compute_bound = int((best_x[0] * f >= best_x[1] * m).sum())
-    profile = HardwareProfile(name=name or f"{base.name}-calibrated", peak_flops=float(1 / best_x[0]),
-                              memory_bandwidth=float(1 / best_x[1]), host_bandwidth=base.host_bandwidth,
-                              **{field: float(v) for field, v in zip(OVERHEADS, best_x[2:], strict=True)})
+    profile = HardwareProfile(
+        name=name or f"{base.name}-calibrated",
+        peak_flops=float(1 / best_x[0]),
+        memory_bandwidth=float(1 / best_x[1]),
+        host_bandwidth=base.host_bandwidth,
+        **{field: float(v) for field, v in zip(OVERHEADS, best_x[2:], strict=True)},
+    )
     return Fit(profile, best_err, len(samples), compute_bound)
 
 
@@ -208,7 +226,9 @@ def calibrate_bench(data: dict[str, Any], base: HardwareProfile, shape_name: str
     if dtype is None and isinstance(results, list) and results and "dtype" in results[0]:
         dtype = str(results[0]["dtype"])
     dtype = dtype or str(data.get("dtype") or "float32")
-    shape = get_model_shape(shape_name or bench_model_shape(data) or "smollm2-135m").with_dtype(dtype)
+    shape = get_model_shape(shape_name or bench_model_shape(data) or "smollm2-135m").with_dtype(
+        dtype
+    )
     machine = data.get("machine") or {}
     flops = machine.get(f"matmul_flops_{dtype}") or machine.get("matmul_flops_float32")
     given = base

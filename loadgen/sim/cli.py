@@ -1,11 +1,11 @@
 """`stepserve simulate`: the virtual-clock simulator's command line.
 
-    stepserve simulate [run flags]                  one run (--strategy continuous|static|padding|all)
-    stepserve simulate compare [run flags]          the three strategies side by side
-    stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len|step-time
-    stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
-    stepserve simulate calibrate --from bench_output.json [--out profile.json]
-    stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
+stepserve simulate [run flags]                  one run (--strategy continuous|static|padding|all)
+stepserve simulate compare [run flags]          the three strategies side by side
+stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len|step-time
+stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
+stepserve simulate calibrate --from bench_output.json [--out profile.json]
+stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -88,8 +88,12 @@ def cmd_run(argv: list[str], compare: bool = False) -> int:
     strategies = list(STRATEGIES) if compare or args.strategy == "all" else [args.strategy]
     workload = scenario_workload(args) or build_workload(args)
     goodput = goodput_of(args)
-    results = [run_strategy(args, s, workload, timeline=bool(args.timeline), record_steps=bool(args.timeline_json))
-               for s in strategies]
+    results = [
+        run_strategy(
+            args, s, workload, timeline=bool(args.timeline), record_steps=bool(args.timeline_json)
+        )
+        for s in strategies
+    ]
     summaries = {r.strategy: r.summary(goodput) for r in results}
     if args.timeline_json:
         runs = [timeline_run(r.strategy, r.step_hello or {}, r.step_records) for r in results]
@@ -121,8 +125,13 @@ def _suffixed(path: str, tag: str) -> str:
 
 def cmd_sweep(argv: list[str]) -> int:
     parser = _run_parser("stepserve simulate sweep")
-    parser.add_argument("--param", nargs=2, metavar=("NAME", "VALUES"), default=None,
-                        help="a SchedulerConfig field or workload parameter, and comma-separated values")
+    parser.add_argument(
+        "--param",
+        nargs=2,
+        metavar=("NAME", "VALUES"),
+        default=None,
+        help="a SchedulerConfig field or workload parameter, and comma-separated values",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--plot", default=None, help="PNG file of the curves")
     pre, _ = parser.parse_known_args(argv)
@@ -132,7 +141,11 @@ def cmd_sweep(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.param is None and preset is None:
         parser.error("give --param NAME V1,V2,... or --preset")
-    name, values = (args.param[0], args.param[1].split(",")) if args.param else (preset.param, list(preset.values))  # type: ignore[union-attr]
+    name, values = (
+        (args.param[0], args.param[1].split(","))
+        if args.param
+        else (preset.param, list(preset.values))
+    )  # type: ignore[union-attr]
     if args.plot:
         require_plots()
     rows = sweep(args, name, values)
@@ -164,7 +177,9 @@ def cmd_roofline(argv: list[str]) -> int:
     add_cost_args(parser)
     parser.add_argument("--context", default="1024,4096", help="decode contexts T, comma-separated")
     parser.add_argument("--prefill", default="512,4096", help="prefill lengths N, comma-separated")
-    parser.add_argument("--preempt", default="4000:100", help="PROMPT:GENERATED of a preempted request")
+    parser.add_argument(
+        "--preempt", default="4000:100", help="PROMPT:GENERATED of a preempted request"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     args.block_size = 16
@@ -178,18 +193,31 @@ def cmd_roofline(argv: list[str]) -> int:
 
 def cmd_calibrate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="stepserve simulate calibrate")
-    parser.add_argument("--from", dest="source", required=True, help="bench/worker_step.py JSON output")
+    parser.add_argument(
+        "--from", dest="source", required=True, help="bench/worker_step.py JSON output"
+    )
     parser.add_argument("--model-shape", default=None, help="default: from the bench's model name")
-    parser.add_argument("--dtype", default=None, help="which of the bench's results; default: the first")
-    parser.add_argument("--base", default="cpu", help="profile whose host link (and unmeasured roofs) to keep")
+    parser.add_argument(
+        "--dtype", default=None, help="which of the bench's results; default: the first"
+    )
+    parser.add_argument(
+        "--base", default="cpu", help="profile whose host link (and unmeasured roofs) to keep"
+    )
     parser.add_argument("--name", default=None, help="the fitted profile's name")
     parser.add_argument("--out", default=None, help="write the fitted profile JSON here")
     args = parser.parse_args(argv)
     data = json.loads(Path(args.source).read_text())
-    fit, shape = calibrate_bench(data, get_hardware(args.base), args.model_shape, args.dtype, args.name)
-    out = {"profile": fit.profile.to_dict(), "model_shape": shape.name, "dtype_bytes": shape.dtype_bytes,
-           "rel_rmse": fit.rel_rmse, "num_samples": fit.num_samples,
-           "num_compute_bound": fit.num_compute_bound}
+    fit, shape = calibrate_bench(
+        data, get_hardware(args.base), args.model_shape, args.dtype, args.name
+    )
+    out = {
+        "profile": fit.profile.to_dict(),
+        "model_shape": shape.name,
+        "dtype_bytes": shape.dtype_bytes,
+        "rel_rmse": fit.rel_rmse,
+        "num_samples": fit.num_samples,
+        "num_compute_bound": fit.num_compute_bound,
+    }
     if args.out:
         Path(args.out).write_text(_dump(out))
     print(_dump(out))

@@ -182,8 +182,10 @@ class HardwareProfile:
     def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
         """A profile from `to_dict`'s keys; the overheads after the first default to 0
         (profiles written before they existed)."""
-        required = {name: float(data[name])  # type: ignore[arg-type]
-                    for name in ("peak_flops", "memory_bandwidth", "host_bandwidth", "step_overhead")}
+        required = {
+            name: float(data[name])  # type: ignore[arg-type]
+            for name in ("peak_flops", "memory_bandwidth", "host_bandwidth", "step_overhead")
+        }
         optional = {name: float(data.get(name, 0.0)) for name in OVERHEADS[1:]}  # type: ignore[arg-type]
         return cls(name=str(data.get("name", "custom")), **required, **optional)
 
@@ -201,8 +203,16 @@ HARDWARE_PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile("h200", 989e12, 4.8e12, 32e9, 2e-3),
         # Two AVX2 cores in fp32 running SmolLM2 (torch 2.13, 2 threads): the fit of a
         # bench/worker_step.py grid (docs/simulator.md); swap is a memcpy within the same RAM.
-        HardwareProfile("cpu", 120e9, 14e9, 30e9, 22e-3, seq_overhead=1.5e-3, kv_token_overhead=6e-6,
-                        multi_token_overhead=50e-3),
+        HardwareProfile(
+            "cpu",
+            120e9,
+            14e9,
+            30e9,
+            22e-3,
+            seq_overhead=1.5e-3,
+            kv_token_overhead=6e-6,
+            multi_token_overhead=50e-3,
+        ),
     )
 }
 HARDWARE_ALIASES: dict[str, str] = {"a100": "a100-80g", "h100-80g": "h100", "h200-141g": "h200"}
@@ -261,8 +271,11 @@ class CostModel:
 
     def flops(self, batch: BatchShape) -> float:
         s = self.shape
-        return float(batch.num_tokens * s.dense_flops_per_token + batch.num_sampled * s.lm_head_flops
-                     + batch.attention_pairs * s.attention_flops_per_pair)
+        return float(
+            batch.num_tokens * s.dense_flops_per_token
+            + batch.num_sampled * s.lm_head_flops
+            + batch.attention_pairs * s.attention_flops_per_pair
+        )
 
     def bytes(self, batch: BatchShape) -> float:
         kv = (batch.kv_tokens_read + batch.num_tokens) * self.shape.kv_bytes_per_token
@@ -273,10 +286,15 @@ class CostModel:
         hw = self.hardware
         flops, nbytes = self.flops(batch), self.bytes(batch)
         swap = float(batch.swap_blocks * self.block_size * self.shape.kv_bytes_per_token)
-        return StepCost(flops=flops, bytes=nbytes, swap_bytes=swap,
-                        compute_time=flops / hw.peak_flops, memory_time=nbytes / hw.memory_bandwidth,
-                        swap_time=swap / hw.host_bandwidth,
-                        overhead=sum(p * n for p, n in zip(hw.overheads, overhead_terms(batch), strict=True)))
+        return StepCost(
+            flops=flops,
+            bytes=nbytes,
+            swap_bytes=swap,
+            compute_time=flops / hw.peak_flops,
+            memory_time=nbytes / hw.memory_bandwidth,
+            swap_time=swap / hw.host_bandwidth,
+            overhead=sum(p * n for p, n in zip(hw.overheads, overhead_terms(batch), strict=True)),
+        )
 
     def step_time(self, batch: BatchShape) -> float:
         return self.step(batch).time

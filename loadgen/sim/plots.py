@@ -89,7 +89,10 @@ def plot_budget_vs_target(budget_rows: list[dict[str, Any]], target_rows: list[d
     """ITL p99, TTFT p50 and throughput: against the token budget (time target off, left)
     and against the step-time target (right), on shared y axes."""
     fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharey="row")
-    columns = ((budget_rows, "--max-num-batched-tokens (--max-step-ms 0)"), (target_rows, "--max-step-ms"))
+    columns = (
+        (budget_rows, "--max-num-batched-tokens (--max-step-ms 0)"),
+        (target_rows, "--max-step-ms"),
+    )
     for row, (label, key, scale) in enumerate(_PANELS):
         for col, (rows, xlabel) in enumerate(columns):
             ax = axes[row][col]
@@ -98,7 +101,9 @@ def plot_budget_vs_target(budget_rows: list[dict[str, Any]], target_rows: list[d
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-        axes[row][1].axvline(SchedulerConfig().max_step_ms, color="tab:gray", linestyle="--", label="default")
+        axes[row][1].axvline(
+            SchedulerConfig().max_step_ms, color="tab:gray", linestyle="--", label="default"
+        )
         top = max(r[key] * scale for rows, _ in columns for r in rows)
         axes[row][0].set_ylim(0, max(top * 1.1, 1e-9))
     axes[0][1].legend()

@@ -64,7 +64,9 @@ def cell_config(point: TracePoint, cm: CostModel, cell: Cell) -> SchedulerConfig
     return dataclasses.replace(base, victim_policy=cell.victim, **QUEUE_POLICIES[cell.queue])  # type: ignore[arg-type]
 
 
-def run_cell(trace: Trace, point: TracePoint, cell: Cell, slo: dict[str, float]) -> tuple[dict[str, Any], list[ServicePoint]]:
+def run_cell(
+    trace: Trace, point: TracePoint, cell: Cell, slo: dict[str, float]
+) -> tuple[dict[str, Any], list[ServicePoint]]:
     cm = cost_model_from_args(point.args)
     config = cell_config(point, cm, cell)
     sim = Simulator(config, cm, SimLimits(), record_service=trace.record_service)
@@ -77,9 +79,13 @@ def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
     """Requests per second FCFS serves of the length-variance trace's spread mix (victim
     newest, recompute, as every cell runs) when all n arrive at once: the capacity the
     length-variance rate and the variance-load loads are fractions of."""
-    point = TracePoint(str(spread), variance_args(n, math.inf), variance_workload(n, spread, math.inf, seed))
+    point = TracePoint(
+        str(spread), variance_args(n, math.inf), variance_workload(n, spread, math.inf, seed)
+    )
     trace = Trace("capacity", "spread", "every request at once", [point])
-    row, _ = run_cell(trace, point, Cell(trace.name, point.label, "fcfs", "newest", "recompute"), {})
+    row, _ = run_cell(
+        trace, point, Cell(trace.name, point.label, "fcfs", "newest", "recompute"), {}
+    )
     if row["unfinished"]:
         raise RuntimeError(f"the capacity run left {row['unfinished']} of {n} requests unfinished")
     return n / row["duration_s"]
@@ -89,32 +95,49 @@ def parse_list(text: str, allowed: tuple[str, ...] | list[str], what: str) -> li
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
     if bad or not items:
-        raise ValueError(f"{what}: {', '.join(bad) or 'none given'}; choose from {', '.join(allowed)}")
+        raise ValueError(
+            f"{what}: {', '.join(bad) or 'none given'}; choose from {', '.join(allowed)}"
+        )
     return items
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stepserve simulate compare-policies", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated: {', '.join(TRACES)}")
+    p.add_argument(
+        "--traces", default=",".join(TRACES), help=f"comma-separated: {', '.join(TRACES)}"
+    )
     p.add_argument("--queue-policies", default=",".join(QUEUE_POLICIES))
     p.add_argument("--victim-policies", default=",".join(VICTIM_POLICIES))
-    p.add_argument("--preemption-modes", default="recompute", help="comma-separated: recompute, swap, auto")
+    p.add_argument(
+        "--preemption-modes", default="recompute", help="comma-separated: recompute, swap, auto"
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiply every trace's request count")
-    p.add_argument("--variance-rate", type=float, default=VARIANCE_RATE,
-                   help="length-variance arrivals, req/s (default %(default)s: 90%% of the spread-1 mix's capacity)")
+    p.add_argument(
+        "--variance-rate",
+        type=float,
+        default=VARIANCE_RATE,
+        help="length-variance arrivals, req/s (default %(default)s: 90%% of the spread-1 mix's capacity)",
+    )
     p.add_argument("--goodput", nargs="+", default=list(DEFAULT_SLO), metavar="SLO",
                    help="SLOs in ms (default %(default)s)")
-    p.add_argument("--out-dir", default="policy-lab", help="policies.md, policies.json and PNGs go here")
+    p.add_argument(
+        "--out-dir", default="policy-lab", help="policies.md, policies.json and PNGs go here"
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
 
 
-def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, list[ServicePoint]]]:
+def run_grid(
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], dict[str, list[ServicePoint]]]:
     """Every cell of the grid: the rows, and the flood trace's service timelines per queue
     policy (victim newest, the first preemption mode) for the plots."""
-    traces = [build_trace(t, args.scale, args.variance_rate) for t in parse_list(args.traces, TRACES, "traces")]
+    traces = [
+        build_trace(t, args.scale, args.variance_rate)
+        for t in parse_list(args.traces, TRACES, "traces")
+    ]
     queues = parse_list(args.queue_policies, list(QUEUE_POLICIES), "queue policies")
     victims = parse_list(args.victim_policies, VICTIM_POLICIES, "victim policies")
     modes = parse_list(args.preemption_modes, ("recompute", "swap", "auto"), "preemption modes")
@@ -124,7 +147,9 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
              for v in victims if t.victims is None or v in t.victims for m in modes]
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list[ServicePoint]] = {}
-    for trace, point, cell in tqdm(cells, disable=args.disable_tqdm, unit="run", desc="compare-policies"):
+    for trace, point, cell in tqdm(
+        cells, disable=args.disable_tqdm, unit="run", desc="compare-policies"
+    ):
         row, service = run_cell(trace, point, cell, slo)
         rows.append(row)
         if service and cell.victim == victims[0] and cell.mode == modes[0]:
@@ -144,7 +169,9 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = format_report(rows, args)
     (out / "policies.md").write_text(report)
-    (out / "policies.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+    (out / "policies.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str)
+    )
     if not args.no_plots:
         from loadgen.sim.policy_plots import write_plots
 

@@ -29,7 +29,10 @@ from scheduler.fairness import FairnessMeter, vtc_bound
 
 
 def shortest_quartile(records: list[RequestRecord]) -> list[RequestRecord]:
-    done = sorted((r for r in records if r.success), key=lambda r: (r.prompt_tokens + r.output_tokens, r.request_id))
+    done = sorted(
+        (r for r in records if r.success),
+        key=lambda r: (r.prompt_tokens + r.output_tokens, r.request_id),
+    )
     return done[: max(1, math.ceil(len(done) / 4))] if done else []
 
 
@@ -38,13 +41,18 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def longest_wait(stats: list[RequestStat]) -> float:
-    waits = [s.first_scheduled_time - s.arrival_time for s in stats if s.first_scheduled_time is not None]
+    waits = [
+        s.first_scheduled_time - s.arrival_time for s in stats if s.first_scheduled_time is not None
+    ]
     return max(waits, default=0.0)
 
 
 def aging_margin(stats: list[RequestStat], rate: float) -> float:
     """max over x of (latest arrival first scheduled strictly before x) - (a_x + W_x / rate)."""
-    ran = sorted((s for s in stats if s.first_scheduled_time is not None), key=lambda s: s.first_scheduled_time)  # type: ignore[arg-type, return-value]
+    ran = sorted(
+        (s for s in stats if s.first_scheduled_time is not None),
+        key=lambda s: s.first_scheduled_time,
+    )  # type: ignore[arg-type, return-value]
     worst, latest_before, i = -math.inf, -math.inf, 0
     while i < len(ran):
         j = i
@@ -73,7 +81,9 @@ def backlogged_windows(points: list[ServicePoint], tenants: set[str]) -> list[li
     return windows
 
 
-def fairness(points: list[ServicePoint], tenants: list[str], weights: dict[str, float]) -> dict[str, Any]:
+def fairness(
+    points: list[ServicePoint], tenants: list[str], weights: dict[str, float]
+) -> dict[str, Any]:
     """Service gap (two tenants) and Jain's index while all `tenants` are backlogged."""
     windows = backlogged_windows(points, set(tenants))
     if not windows:
@@ -92,7 +102,11 @@ def fairness(points: list[ServicePoint], tenants: list[str], weights: dict[str, 
     shares = [norm(longest[-1], t) - norm(longest[0], t) for t in tenants]
     total, squares = sum(shares), sum(x * x for x in shares)
     jain = total * total / (len(shares) * squares) if squares else None
-    return {"service_gap": gap, "jain": jain, "backlogged_s": sum(w[-1].time - w[0].time for w in windows)}
+    return {
+        "service_gap": gap,
+        "jain": jain,
+        "backlogged_s": sum(w[-1].time - w[0].time for w in windows),
+    }
 
 
 def policy_row(result: SimResult, config: SchedulerConfig, slo: dict[str, float]) -> dict[str, Any]:
@@ -103,8 +117,11 @@ def policy_row(result: SimResult, config: SchedulerConfig, slo: dict[str, float]
         "goodput": summary["request_goodput"],
         "throughput": summary["request_throughput"],
         # the share of finished requests that met the SLO: goodput can rise by 1 / this at most
-        "attainment": (summary["request_goodput"] / summary["request_throughput"]
-                       if summary["request_goodput"] is not None and summary["request_throughput"] else None),
+        "attainment": (
+            summary["request_goodput"] / summary["request_throughput"]
+            if summary["request_goodput"] is not None and summary["request_throughput"]
+            else None
+        ),
         "short_p50_ms": _pct(short, 50),
         "short_p99_ms": _pct(short, 99),
         "p99_e2el_ms": summary["p99_e2el_ms"],

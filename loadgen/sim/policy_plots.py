@@ -34,8 +34,17 @@ def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(5 * (len(PANELS) + 1), 4))
     for ax, (key, label) in zip(axes, PANELS, strict=False):
         for queue in dict.fromkeys(r["queue"] for r in mine):
-            ys = [next((r[key] for r in mine if r["point"] == p and r["queue"] == queue and r["victim"] == "newest"), None)
-                  for p in points]
+            ys = [
+                next(
+                    (
+                        r[key]
+                        for r in mine
+                        if r["point"] == p and r["queue"] == queue and r["victim"] == "newest"
+                    ),
+                    None,
+                )
+                for p in points
+            ]
             if any(y is not None for y in ys):
                 ax.plot(x, ys, marker="o", label=queue)
         ax.set(xlabel=trace, ylabel=label)
@@ -46,8 +55,17 @@ def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
     victims = axes[-1]
     queue = "fcfs" if any(r["queue"] == "fcfs" for r in mine) else mine[0]["queue"]
     for victim in dict.fromkeys(r["victim"] for r in mine):
-        ys = [next((r["recompute_tokens"] for r in mine if r["point"] == p and r["queue"] == queue and r["victim"] == victim), None)
-              for p in points]
+        ys = [
+            next(
+                (
+                    r["recompute_tokens"]
+                    for r in mine
+                    if r["point"] == p and r["queue"] == queue and r["victim"] == victim
+                ),
+                None,
+            )
+            for p in points
+        ]
         victims.plot(x, ys, marker="o", label=victim)
     victims.set(xlabel=trace, ylabel=f"recomputed tokens ({queue})")
     if numeric and min(x) > 0 and max(x) / min(x) >= 8:  # type: ignore[type-var,operator]
@@ -61,7 +79,9 @@ def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
     return path
 
 
-def plot_service_gap(timelines: dict[str, list[ServicePoint]], bound: float | None, path: Path) -> Path:
+def plot_service_gap(
+    timelines: dict[str, list[ServicePoint]], bound: float | None, path: Path
+) -> Path:
     """served[a] - served[b] over time for each queue policy (the two tenants, sorted)."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for queue, points in timelines.items():
@@ -69,16 +89,24 @@ def plot_service_gap(timelines: dict[str, list[ServicePoint]], bound: float | No
         if len(tenants) != 2:
             continue
         a, b = tenants
-        line, = ax.plot([p.time for p in points], [p.served.get(a, 0.0) - p.served.get(b, 0.0) for p in points],
-                        label=f"{queue}: {a} - {b}")
+        (line,) = ax.plot(
+            [p.time for p in points],
+            [p.served.get(a, 0.0) - p.served.get(b, 0.0) for p in points],
+            label=f"{queue}: {a} - {b}",
+        )
         if queue == "fair":  # shade where both tenants had requests waiting
             for window in backlogged_windows(points, {a, b}):
-                ax.axvspan(window[0].time, window[-1].time, color=line.get_color(), alpha=0.08, linewidth=0)
+                ax.axvspan(
+                    window[0].time, window[-1].time, color=line.get_color(), alpha=0.08, linewidth=0
+                )
     if bound is not None:
         for y in (bound, -bound):
             ax.axhline(y, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="virtual time (s)", ylabel="weighted tokens served, difference",
-           title="tenant flood: service difference (dashed: VTC bound; shaded: both backlogged under fair)")
+    ax.set(
+        xlabel="virtual time (s)",
+        ylabel="weighted tokens served, difference",
+        title="tenant flood: service difference (dashed: VTC bound; shaded: both backlogged under fair)",
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -87,7 +115,9 @@ def plot_service_gap(timelines: dict[str, list[ServicePoint]], bound: float | No
     return path
 
 
-def write_plots(rows: list[dict[str, Any]], timelines: dict[str, list[ServicePoint]], out: Path) -> list[Path]:
+def write_plots(
+    rows: list[dict[str, Any]], timelines: dict[str, list[ServicePoint]], out: Path
+) -> list[Path]:
     paths = [plot_trace(rows, t, out / f"{t}.png")
              for t in dict.fromkeys(r["trace"] for r in rows) if t != "tenant-flood"]
     if timelines:

@@ -11,13 +11,24 @@ from typing import Any
 from loadgen.sim.policy_traces import SPREAD4_CAPACITY
 
 # The point of each trace the per-policy tables show: the most telling one.
-HEADLINE = {"token-budget": "2048", "kv-capacity": "50", "length-variance": "4", "variance-load": "1.3",
-            "tenant-flood": "4:1"}
+HEADLINE = {
+    "token-budget": "2048",
+    "kv-capacity": "50",
+    "length-variance": "4",
+    "variance-load": "1.3",
+    "tenant-flood": "4:1",
+}
 SJF_TARGET = 1.3  # goodput over FCFS's
 
-COLUMNS = (("goodput", "goodput req/s", ".2f"), ("attainment", "SLO met", ".3f"), ("short_p50_ms", "short p50 ms", ".0f"),
-           ("short_p99_ms", "short p99 ms", ".0f"), ("longest_wait_s", "longest wait s", ".1f"),
-           ("preemptions", "preempt", "d"), ("recompute_tokens", "recompute tok", "d"))
+COLUMNS = (
+    ("goodput", "goodput req/s", ".2f"),
+    ("attainment", "SLO met", ".3f"),
+    ("short_p50_ms", "short p50 ms", ".0f"),
+    ("short_p99_ms", "short p99 ms", ".0f"),
+    ("longest_wait_s", "longest wait s", ".1f"),
+    ("preemptions", "preempt", "d"),
+    ("recompute_tokens", "recompute tok", "d"),
+)
 FAIR_COLUMNS = (("service_gap", "service gap", ".0f"), ("jain", "Jain", ".3f"))
 
 
@@ -27,7 +38,9 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if spec != "d" else str(int(value))
 
 
-def _table(rows: list[dict[str, Any]], keys: tuple[str, ...], columns: tuple[tuple[str, str, str], ...]) -> list[str]:
+def _table(
+    rows: list[dict[str, Any]], keys: tuple[str, ...], columns: tuple[tuple[str, str, str], ...]
+) -> list[str]:
     head = [*keys, *(title for _, title, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -66,7 +79,8 @@ def _variance_target(rows: list[dict[str, Any]], mode: str, rate: float) -> list
         f"{fcfs['longest_wait_s']:.1f} -> {sjf['longest_wait_s']:.1f} s "
         f"({'within' if sjf['longest_wait_s'] <= window else 'BEYOND'} the {window:.1f} s aging window); aging bound "
         f"{'held' if _aging_held(sjf) else 'VIOLATED'} (worst margin {sjf['aging_margin_s']:.1f} s; no request is passed by "
-        f"one arriving more than W/rate after it, W/rate <= {window:.1f} s here).", "",
+        f"one arriving more than W/rate after it, W/rate <= {window:.1f} s here).",
+        "",
     ]
 
 
@@ -76,26 +90,63 @@ def _lab_checks(rows: list[dict[str, Any]]) -> list[str]:
     sjf = [r for r in rows if "aging_margin_s" in r]
     if sjf:
         held = sum(map(_aging_held, sjf))
-        out += [f"**Aging bound over every sjf run** (both predictors, every victim and trace): held in {held} of "
-                f"{len(sjf)}; worst margin {max(r['aging_margin_s'] for r in sjf):.1f} s.", ""]
+        out += [
+            f"**Aging bound over every sjf run** (both predictors, every victim and trace): held in {held} of "
+            f"{len(sjf)}; worst margin {max(r['aging_margin_s'] for r in sjf):.1f} s.",
+            "",
+        ]
     base = [r for r in rows if r["trace"] == "length-variance" and r["point"] == "1"]
     if base:
-        out += [f"**Length variance at spread 1** (the load's baseline): the lowest share of requests within the SLO "
-                f"over its {len(base)} runs is {min(r['attainment'] for r in base):.1%}.", ""]
+        out += [
+            f"**Length variance at spread 1** (the load's baseline): the lowest share of requests within the SLO "
+            f"over its {len(base)} runs is {min(r['attainment'] for r in base):.1%}.",
+            "",
+        ]
     return out
 
 
 def _load_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
-    pairs = [(r, _find(rows, trace="variance-load", point=r["point"], queue="sjf", victim="newest", mode=mode))
-             for r in rows if r["trace"] == "variance-load" and r["queue"] == "fcfs" and r["victim"] == "newest" and r["mode"] == mode]
+    pairs = [
+        (
+            r,
+            _find(
+                rows,
+                trace="variance-load",
+                point=r["point"],
+                queue="sjf",
+                victim="newest",
+                mode=mode,
+            ),
+        )
+        for r in rows
+        if r["trace"] == "variance-load"
+        and r["queue"] == "fcfs"
+        and r["victim"] == "newest"
+        and r["mode"] == mode
+    ]
     pairs = [(f, s) for f, s in pairs if s is not None]
     if not pairs:
         return []
-    cells = "; ".join(f"{f['point']}x: {_ratio(s['goodput'], f['goodput'])} (FCFS met {f['attainment']:.1%})" for f, s in pairs)
-    reached = next((f["point"] for f, s in pairs if f["goodput"] and s["goodput"] / f["goodput"] >= SJF_TARGET), None)
+    cells = "; ".join(
+        f"{f['point']}x: {_ratio(s['goodput'], f['goodput'])} (FCFS met {f['attainment']:.1%})"
+        for f, s in pairs
+    )
+    reached = next(
+        (
+            f["point"]
+            for f, s in pairs
+            if f["goodput"] and s["goodput"] / f["goodput"] >= SJF_TARGET
+        ),
+        None,
+    )
     where = f"from {reached}x of capacity on" if reached else "at none of these loads"
-    return ["**SJF (learned) over FCFS goodput by offered load (spread 4, victim newest):** " + cells + ".",
-            f"SJF reaches {SJF_TARGET}x {where}.", ""]
+    return [
+        "**SJF (learned) over FCFS goodput by offered load (spread 4, victim newest):** "
+        + cells
+        + ".",
+        f"SJF reaches {SJF_TARGET}x {where}.",
+        "",
+    ]
 
 
 def _flood_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
@@ -104,34 +155,59 @@ def _flood_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
         r = _find(rows, trace="tenant-flood", queue=queue, victim="newest", mode=mode)
         if r is None or r.get("service_gap") is None:
             continue
-        out.append(f"- {queue}: largest service gap while both are backlogged {r['service_gap']:.0f} weighted tokens "
-                   f"(bound {r['vtc_bound']:.0f}; with the KV term {r['vtc_bound_kv']:.0f}); Jain "
-                   f"{_fmt(r['jain'], '.3f')} over {r['backlogged_s']:.1f} s backlogged")
+        out.append(
+            f"- {queue}: largest service gap while both are backlogged {r['service_gap']:.0f} weighted tokens "
+            f"(bound {r['vtc_bound']:.0f}; with the KV term {r['vtc_bound_kv']:.0f}); Jain "
+            f"{_fmt(r['jain'], '.3f')} over {r['backlogged_s']:.1f} s backlogged"
+        )
     return [*out, ""] if len(out) > 1 else []
 
 
 def _victim_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
-    got = [r for r in rows if r["trace"] == "kv-capacity" and r["point"] == "50" and r["queue"] == "fcfs" and r["mode"] == mode]
+    got = [
+        r
+        for r in rows
+        if r["trace"] == "kv-capacity"
+        and r["point"] == "50"
+        and r["queue"] == "fcfs"
+        and r["mode"] == mode
+    ]
     if not got:
         return []
-    cells = ", ".join(f"{r['victim']} {r['recompute_tokens']} ({r['preemptions']} preemptions)" for r in got)
-    return ["**Recomputed tokens per victim policy, KV capacity 50 blocks, fcfs:** " + cells + ".", ""]
+    cells = ", ".join(
+        f"{r['victim']} {r['recompute_tokens']} ({r['preemptions']} preemptions)" for r in got
+    )
+    return [
+        "**Recomputed tokens per victim policy, KV capacity 50 blocks, fcfs:** " + cells + ".",
+        "",
+    ]
 
 
 def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     mode = rows[0]["mode"] if rows else "recompute"
-    lines = ["# compare-policies", "",
-             f"SLO: {' '.join(args.goodput)} (a request is good when it meets all); scale {args.scale}; "
-             f"length-variance rate {args.variance_rate} req/s; preemption modes: {args.preemption_modes}.", "", "## Targets", "",
-             *_variance_target(rows, mode, args.variance_rate), *_lab_checks(rows), *_load_target(rows, mode), *_flood_target(rows, mode),
-             *_victim_target(rows, mode)]
+    lines = [
+        "# compare-policies",
+        "",
+        f"SLO: {' '.join(args.goodput)} (a request is good when it meets all); scale {args.scale}; "
+        f"length-variance rate {args.variance_rate} req/s; preemption modes: {args.preemption_modes}.",
+        "",
+        "## Targets",
+        "",
+        *_variance_target(rows, mode, args.variance_rate),
+        *_lab_checks(rows),
+        *_load_target(rows, mode),
+        *_flood_target(rows, mode),
+        *_victim_target(rows, mode),
+    ]
     for name in dict.fromkeys(r["trace"] for r in rows):
         mine = [r for r in rows if r["trace"] == name]
         cols = COLUMNS + (FAIR_COLUMNS if "jain" in mine[0] else ())
         points = [r["point"] for r in mine]
         head = HEADLINE[name] if HEADLINE.get(name) in points else points[0]
         lines += [f"## {name}", "", "Victim newest, every point:", ""]
-        lines += _table([r for r in mine if r["victim"] == "newest"], ("point", "queue", "mode"), cols)
+        lines += _table(
+            [r for r in mine if r["victim"] == "newest"], ("point", "queue", "mode"), cols
+        )
         lines += ["", f"Every queue x victim policy at {head}:", ""]
         lines += _table([r for r in mine if r["point"] == head], ("queue", "victim", "mode"), cols)
         lines.append("")

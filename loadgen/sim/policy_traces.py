@@ -127,14 +127,22 @@ def variance_workload(n: int, spread: float, rate: float, seed: int) -> list[Wor
 
 def variance_args(n: int, rate: float) -> argparse.Namespace:
     """The run flags of a length-variance workload of n requests at `rate`."""
-    return base_args(num_prompts=n, request_rate=rate, max_model_len=512 + DECLARED_MAX_TOKENS, num_gpu_blocks=1024)
+    return base_args(
+        num_prompts=n,
+        request_rate=rate,
+        max_model_len=512 + DECLARED_MAX_TOKENS,
+        num_gpu_blocks=1024,
+    )
 
 
 def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
     n = _scaled(1200, scale)
     args = variance_args(n, rate)
-    trace = Trace("length-variance", "spread", "output length variance across four apps; the mean stays "
-                  f"{MEAN_OUTPUT} tokens")
+    trace = Trace(
+        "length-variance",
+        "spread",
+        f"output length variance across four apps; the mean stays {MEAN_OUTPUT} tokens",
+    )
     for spread in SPREADS:
         trace.points.append(TracePoint(spread, args, variance_workload(n, float(spread), rate, 0)))
     return trace
@@ -143,11 +151,18 @@ def variance_trace(scale: float, rate: float = VARIANCE_RATE) -> Trace:
 def load_trace(scale: float) -> Trace:
     """Spread 4 at each of LOAD_FACTORS x its capacity: the same requests, arriving faster."""
     n = _scaled(1200, scale)
-    trace = Trace("variance-load", "load", f"spread 4 at offered loads relative to its {SPREAD4_CAPACITY} req/s capacity",
-                  queues=("fcfs", "sjf"), victims=("newest",))
+    trace = Trace(
+        "variance-load",
+        "load",
+        f"spread 4 at offered loads relative to its {SPREAD4_CAPACITY} req/s capacity",
+        queues=("fcfs", "sjf"),
+        victims=("newest",),
+    )
     for factor in LOAD_FACTORS:
         rate = float(factor) * SPREAD4_CAPACITY
-        trace.points.append(TracePoint(factor, variance_args(n, rate), variance_workload(n, 4.0, rate, 0)))
+        trace.points.append(
+            TracePoint(factor, variance_args(n, rate), variance_workload(n, 4.0, rate, 0))
+        )
     return trace
 
 
@@ -155,20 +170,29 @@ def flood_workload(n: int, steady_rate: float, seed: int) -> list[WorkloadReques
     """n requests: a fifth from "steady" at `steady_rate`, the rest from "flood" at 4x."""
     lengths = np.random.default_rng([seed, 1])
     out: list[WorkloadRequest] = []
-    for tenant, count, rate, stream in (("steady", n // 5, steady_rate, 2), ("flood", n - n // 5, 4 * steady_rate, 3)):
+    for tenant, count, rate, stream in (
+        ("steady", n // 5, steady_rate, 2),
+        ("flood", n - n // 5, 4 * steady_rate, 3),
+    ):
         times = arrival_times(count, rate, 1.0, np.random.default_rng([seed, stream]))
         prompts = LengthDist.parse("uniform:32:512").sample(lengths, count)
         outputs = LengthDist.parse("uniform:32:256").sample(lengths, count)
-        out += [WorkloadRequest(f"{tenant}-{i}", float(times[i]), prompts[i], outputs[i], user=tenant)
-                for i in range(count)]
+        out += [
+            WorkloadRequest(f"{tenant}-{i}", float(times[i]), prompts[i], outputs[i], user=tenant)
+            for i in range(count)
+        ]
     return sorted(out, key=lambda w: w.arrival_time)
 
 
 def flood_trace(scale: float) -> Trace:
     n = _scaled(1000, scale)
     args = base_args(num_prompts=n, max_model_len=768, num_gpu_blocks=1024)
-    trace = Trace("tenant-flood", "trace", "two tenants; 'flood' sends 4x 'steady' and together they ask "
-                  "for about 3x capacity", record_service=True)
+    trace = Trace(
+        "tenant-flood",
+        "trace",
+        "two tenants; 'flood' sends 4x 'steady' and together they ask for about 3x capacity",
+        record_service=True,
+    )
     trace.points.append(TracePoint("4:1", args, flood_workload(n, FLOOD_STEADY_RATE, 0)))
     return trace
 

@@ -82,9 +82,17 @@ class TokenClock:
         w = self.requests[request_id]
         times = self.times.get(request_id, array("d"))
         done = request_id in self.finish and unfinished_state is None
-        rec = RequestRecord(request_id=request_id, success=done, prompt_tokens=w.prompt_len,
-                            output_tokens=len(times), start_time=w.arrival_time,
-                            priority=w.priority, arrival_time=w.arrival_time, group=w.group, user=w.user)
+        rec = RequestRecord(
+            request_id=request_id,
+            success=done,
+            prompt_tokens=w.prompt_len,
+            output_tokens=len(times),
+            start_time=w.arrival_time,
+            priority=w.priority,
+            arrival_time=w.arrival_time,
+            group=w.group,
+            user=w.user,
+        )
         if not done:
             rec.error = f"unfinished: {unfinished_state or 'UNKNOWN'}"
             return rec

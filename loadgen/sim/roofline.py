@@ -73,12 +73,19 @@ def roofline(
     """The whole table as a JSON-ready dict."""
     s, hw = cm.shape, cm.hardware
     return {
-        "model": {"name": s.name, "num_params": s.num_params, "dtype_bytes": s.dtype_bytes,
-                  "weight_bytes": s.weight_bytes, "kv_bytes_per_token": s.kv_bytes_per_token},
+        "model": {
+            "name": s.name,
+            "num_params": s.num_params,
+            "dtype_bytes": s.dtype_bytes,
+            "weight_bytes": s.weight_bytes,
+            "kv_bytes_per_token": s.kv_bytes_per_token,
+        },
         "hardware": hw.to_dict() | {"ridge_point": hw.ridge_point},
         # Decode reads every weight once per step, so a batch of B decodes has intensity
         # ~ B * 2 FLOPs / dtype_bytes per weight byte; it meets the ridge at this B.
-        "decode_batch_at_ridge": hw.ridge_point * s.weight_bytes / (s.dense_flops_per_token + s.lm_head_flops),
+        "decode_batch_at_ridge": hw.ridge_point
+        * s.weight_bytes
+        / (s.dense_flops_per_token + s.lm_head_flops),
         "decode": [decode_row(cm, t) for t in contexts],
         "prefill": [prefill_row(cm, n) for n in prefill_lens],
         "preemption": preemption_row(cm, *preempt),
@@ -99,8 +106,16 @@ def format_roofline(table: dict[str, Any]) -> str:
         f"{hw['memory_bandwidth'] / 1e9:.4g} GB/s, host {hw['host_bandwidth'] / 1e9:.3g} GB/s, "
         f"overhead {hw['step_overhead'] * 1e3:.3g} ms/step"
         + (f" + {hw['seq_overhead'] * 1e3:.3g} ms/request" if hw.get("seq_overhead") else "")
-        + (f" + {hw['kv_token_overhead'] * 1e6:.3g} us/KV token" if hw.get("kv_token_overhead") else "")
-        + (f" + {hw['multi_token_overhead'] * 1e3:.3g} ms/multi-token step" if hw.get("multi_token_overhead") else ""),
+        + (
+            f" + {hw['kv_token_overhead'] * 1e6:.3g} us/KV token"
+            if hw.get("kv_token_overhead")
+            else ""
+        )
+        + (
+            f" + {hw['multi_token_overhead'] * 1e3:.3g} ms/multi-token step"
+            if hw.get("multi_token_overhead")
+            else ""
+        ),
         f"ridge point: {hw['ridge_point']:.1f} FLOP/byte; decode batch to reach it: "
         f"{table['decode_batch_at_ridge']:.0f}",
         "",
@@ -111,7 +126,10 @@ def format_roofline(table: dict[str, Any]) -> str:
         lines.append(f"{r['context']:>12} {_g(r['flops']):>10} {_g(r['bytes_batch1']):>12} "
                      f"{_g(r['kv_bytes']):>10} {r['intensity_batch1']:>13.2f} "
                      f"{r['attention_intensity']:>12.2f} {r['step_ms_batch1']:>9.2f}")
-    lines += ["", f"{'prefill N':>12} {'FLOPs':>10} {'bytes':>12} {'FLOP/B':>10} {'bound':>8} {'ms':>9}"]
+    lines += [
+        "",
+        f"{'prefill N':>12} {'FLOPs':>10} {'bytes':>12} {'FLOP/B':>10} {'bound':>8} {'ms':>9}",
+    ]
     for r in table["prefill"]:
         bound = "compute" if r["compute_bound"] else "memory"
         lines.append(f"{r['tokens']:>12} {_g(r['flops']):>10} {_g(r['bytes']):>12} "

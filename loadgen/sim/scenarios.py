@@ -28,23 +28,42 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     "worked-example": Scenario(
-        {"max_num_batched_tokens": 8, "num_gpu_blocks": 6, "block_size": 16, "max_model_len": 128,
-         "preemption_mode": "recompute", "enable_chunked_prefill": True, "enable_prefix_caching": False},
+        {
+            "max_num_batched_tokens": 8,
+            "num_gpu_blocks": 6,
+            "block_size": 16,
+            "max_model_len": 128,
+            "preemption_mode": "recompute",
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": False,
+        },
         (("R1", 16, 32), ("R2", 8, 8), ("R3", 32, 16), ("R4", 8, 64), ("R5", 16, 8)),
         "the design notes' worked example: 5 requests, 6 blocks, budget 8",
     ),
     "thrash": Scenario(
-        {"num_prompts": 100, "request_rate": 5.0, "prompt_len": "uniform:50:2000",
-         "output_len": "uniform:50:500", "num_gpu_blocks": 200, "block_size": 16,
-         "max_num_batched_tokens": 2048, "preemption_mode": "recompute", "seed": 42},
+        {
+            "num_prompts": 100,
+            "request_rate": 5.0,
+            "prompt_len": "uniform:50:2000",
+            "output_len": "uniform:50:500",
+            "num_gpu_blocks": 200,
+            "block_size": 16,
+            "max_num_batched_tokens": 2048,
+            "preemption_mode": "recompute",
+            "seed": 42,
+        },
         description="the thrash scenario: 100 long requests in 200 blocks",
     ),
 }
 
 
 def add_scenario_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
-                        help="a named scene: " + "; ".join(f"{k}: {s.description}" for k, s in SCENARIOS.items()))
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=None,
+        help="a named scene: " + "; ".join(f"{k}: {s.description}" for k, s in SCENARIOS.items()),
+    )
 
 
 def parse_with_scenario(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

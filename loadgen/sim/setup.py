@@ -37,8 +37,11 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cost model")
     g.add_argument("--model-shape", default="llama-3.1-8b",
                    help=f"{', '.join(MODEL_SHAPES)} or a path to a HF config.json")
-    g.add_argument("--hardware", default="a100-80g",
-                   help=f"{', '.join(HARDWARE_PROFILES)} (a100 works too) or a calibrated profile JSON")
+    g.add_argument(
+        "--hardware",
+        default="a100-80g",
+        help=f"{', '.join(HARDWARE_PROFILES)} (a100 works too) or a calibrated profile JSON",
+    )
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="auto: float32 on the cpu profile, else the shape's own (bfloat16)")
 
@@ -48,8 +51,12 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV pool (serve sizes it from memory)")
     g.add_argument("--num-gpu-blocks", type=POSITIVE_INT, default=SchedulerConfig().num_gpu_blocks,
                    help="device KV blocks (default %(default)s)")
-    g.add_argument("--num-cpu-blocks", type=NON_NEGATIVE_INT, default=None,
-                   help="host swap blocks; default 0, or --num-gpu-blocks under swap/auto preemption")
+    g.add_argument(
+        "--num-cpu-blocks",
+        type=NON_NEGATIVE_INT,
+        default=None,
+        help="host swap blocks; default 0, or --num-gpu-blocks under swap/auto preemption",
+    )
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +76,11 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the summary as JSON, not tables")
     o.add_argument("--result-json", default=None, help="write config, summary and records here")
     o.add_argument("--timeline", default=None, help="PNG of the run's per-step timeline")
-    o.add_argument("--timeline-json", default=None,
-                   help="every step as a dashboard record (all strategies in one file): play it with `stepserve view FILE`")
+    o.add_argument(
+        "--timeline-json",
+        default=None,
+        help="every step as a dashboard record (all strategies in one file): play it with `stepserve view FILE`",
+    )
     o.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
 
 
@@ -84,8 +94,12 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
     return CostModel(shape, hardware, args.block_size)
 
 
-def scheduler_config_from_args(args: argparse.Namespace, workload: list[WorkloadRequest],
-                               cm: CostModel, step_model: OnlineStepCost | None = None) -> SchedulerConfig:
+def scheduler_config_from_args(
+    args: argparse.Namespace,
+    workload: list[WorkloadRequest],
+    cm: CostModel,
+    step_model: OnlineStepCost | None = None,
+) -> SchedulerConfig:
     """`step_model` (default: a fresh seeded one) prices steps for the time budget and
     recomputes for "auto" preemption; the simulator must feed it every step."""
     longest = max((w.prompt_len + (w.max_tokens or w.output_len) for w in workload), default=1)
@@ -94,9 +108,14 @@ def scheduler_config_from_args(args: argparse.Namespace, workload: list[Workload
         cpu_blocks = args.num_gpu_blocks if args.preemption_mode in ("swap", "auto") else 0
     max_model_len = args.max_model_len or longest
     config = scheduler_flags.from_args(
-        args, max_model_len=max_model_len, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=cpu_blocks,
-        kv_bytes_per_token=cm.shape.kv_bytes_per_token, flops_per_token=float(cm.shape.dense_flops_per_token),
-        swap_bandwidth=cm.hardware.host_bandwidth, compute_rate=cm.hardware.peak_flops,
+        args,
+        max_model_len=max_model_len,
+        num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        kv_bytes_per_token=cm.shape.kv_bytes_per_token,
+        flops_per_token=float(cm.shape.dense_flops_per_token),
+        swap_bandwidth=cm.hardware.host_bandwidth,
+        compute_rate=cm.hardware.peak_flops,
         step_cost=step_model or seeded_model(cm),
     )
     overrides = getattr(args, "config_overrides", None)  # fields without a flag (set by sweeps)
@@ -119,20 +138,50 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
         model = seeded_model(cm)
         config = scheduler_config_from_args(args, workload, cm, model)
         limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
-        used = config.step_time_limit_s > 0 or config.preemption_mode == "auto"  # else: spare the refits
+        used = (
+            config.step_time_limit_s > 0 or config.preemption_mode == "auto"
+        )  # else: spare the refits
         return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps,
                          step_model=model if used else None).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding
-    return run(workload, cm, fixed_batch_config(args), record_timeline=timeline, record_steps=record_steps)
+    return run(
+        workload, cm, fixed_batch_config(args), record_timeline=timeline, record_steps=record_steps
+    )
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The flags worth recording next to a result."""
-    keep = ("num_prompts", "request_rate", "burstiness", "seed", "dataset", "model_shape", "hardware",
-            "dtype", "max_num_batched_tokens", "max_step_ms", "min_prefill_share", "max_num_seqs", "max_model_len", "block_size",
-            "num_gpu_blocks", "num_cpu_blocks", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
-            "scheduling_policy", "victim_policy", "aging_period", "priority_preemption_threshold", "output_len_predictor", "sjf_aging_rate",
-            "tenant_weights", "enable_prefix_caching", "batch_size", "batch_timeout")
+    keep = (
+        "num_prompts",
+        "request_rate",
+        "burstiness",
+        "seed",
+        "dataset",
+        "model_shape",
+        "hardware",
+        "dtype",
+        "max_num_batched_tokens",
+        "max_step_ms",
+        "min_prefill_share",
+        "max_num_seqs",
+        "max_model_len",
+        "block_size",
+        "num_gpu_blocks",
+        "num_cpu_blocks",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "preemption_mode",
+        "scheduling_policy",
+        "victim_policy",
+        "aging_period",
+        "priority_preemption_threshold",
+        "output_len_predictor",
+        "sjf_aging_rate",
+        "tenant_weights",
+        "enable_prefix_caching",
+        "batch_size",
+        "batch_timeout",
+    )
     cfg = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     cfg.update(prompt_len=str(args.prompt_len), output_len=str(args.output_len))
     return cfg

@@ -65,9 +65,14 @@ def scheduler_request(w: WorkloadRequest) -> Request:
     prefix cache finds only what a workload shares on purpose, as `shared-prefix` does)."""
     ids = w.prompt_token_ids
     if ids is None:
-        ids = [SIM_TOKEN_ID + 2 + zlib.crc32(w.request_id.encode())] + [SIM_TOKEN_ID + 1] * (w.prompt_len - 1)
-    params = SamplingParams(max_tokens=w.max_tokens or w.output_len, ignore_eos=w.max_tokens is None,
-                            priority=w.priority)
+        ids = [SIM_TOKEN_ID + 2 + zlib.crc32(w.request_id.encode())] + [SIM_TOKEN_ID + 1] * (
+            w.prompt_len - 1
+        )
+    params = SamplingParams(
+        max_tokens=w.max_tokens or w.output_len,
+        ignore_eos=w.max_tokens is None,
+        priority=w.priority,
+    )
     req = Request(request_id=w.request_id, prompt_token_ids=list(ids), sampling_params=params,
                   arrival_time=w.arrival_time, eos_token_ids=(SIM_EOS_ID,))
     if w.user:
@@ -78,10 +83,18 @@ def scheduler_request(w: WorkloadRequest) -> Request:
 class Simulator:
     """Runs a workload through a fresh `Scheduler` on a virtual clock."""
 
-    def __init__(self, config: SchedulerConfig, cost_model: CostModel, limits: SimLimits | None = None,
-                 record_timeline: bool = False, check_integrity: bool = False, overlap: bool = True,
-                 record_service: bool = False, record_steps: bool = False,
-                 step_model: OnlineStepCost | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cost_model: CostModel,
+        limits: SimLimits | None = None,
+        record_timeline: bool = False,
+        check_integrity: bool = False,
+        overlap: bool = True,
+        record_service: bool = False,
+        record_steps: bool = False,
+        step_model: OnlineStepCost | None = None,
+    ) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
         in step N+2. Off: each plan is made after the previous output (one in flight).
@@ -164,7 +177,9 @@ class _Run:
         else:
             plan = self.schedule()
         batch, sampled = self.batch_of(plan)
-        seconds = self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
+        seconds = (
+            self.sim.cost_model.step_time(batch) if (batch.num_tokens or batch.swap_blocks) else 0.0
+        )
         if seconds and self.sim.step_model is not None:
             self.sim.step_model.observe(batch, seconds)
         stats = self.sched.stats()
@@ -176,11 +191,20 @@ class _Run:
             self.timeline.append(TimelinePoint(self.now, stats.num_running, stats.num_waiting,
                                                stats.num_swapped, used, batch.num_prefill_tokens,
                                                batch.num_decode_tokens))
-        outs = self.sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, sampled), self.now)
+        outs = self.sched.update_from_output(
+            plan, ModelRunnerOutput(plan.step_id, sampled), self.now
+        )
         if self.sim.record_service:
-            self.tenant_service.append(ServicePoint(self.now, dict(self.sched.fairness_meter.served),
-                                             frozenset(r.tenant for r in self.sched.waiting)))
-        if self.recorder is not None and (rec := self.recorder.on_output(plan, outs, self.now, seconds)):
+            self.tenant_service.append(
+                ServicePoint(
+                    self.now,
+                    dict(self.sched.fairness_meter.served),
+                    frozenset(r.tenant for r in self.sched.waiting),
+                )
+            )
+        if self.recorder is not None and (
+            rec := self.recorder.on_output(plan, outs, self.now, seconds)
+        ):
             self.step_records.append(rec)
         for out in outs:
             if out.new_token_ids:
@@ -220,11 +244,17 @@ class _Run:
 
     def result(self, reason: str) -> SimResult:
         unfinished = dict(self.rejected)
-        unfinished.update((rid, r.status.name) for rid, r in self.requests.items() if not r.is_finished)
+        unfinished.update(
+            (rid, r.status.name) for rid, r in self.requests.items() if not r.is_finished
+        )
         unfinished.update((w.request_id, "NOT_ARRIVED") for w in self.pending)
         records = [self.tokens.record(rid, unfinished.get(rid)) for rid in self.tokens.requests]
         stats = self.sched.stats()
-        hello = scheduler_hello(self.sched, strategy="continuous", source="simulator") if self.recorder else None
+        hello = (
+            scheduler_hello(self.sched, strategy="continuous", source="simulator")
+            if self.recorder
+            else None
+        )
         result = SimResult("continuous", records, self.now, self.steps, stats.num_preemptions,
                            stats.num_swap_preemptions, unfinished, self.kv.mean, self.kv.max,
                            reason, self.timeline, self.kv.total_time, self.kv.busy_steps,

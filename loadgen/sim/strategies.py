@@ -47,12 +47,26 @@ class FixedBatchConfig:
 class _FixedBatchRun:
     """One run of a fixed-batch strategy over a workload."""
 
-    def __init__(self, workload: list[WorkloadRequest], cm: CostModel, cfg: FixedBatchConfig,
-                 streaming: bool, record_timeline: bool, recorder: FixedBatchRecorder | None = None) -> None:
-        self.cm, self.cfg, self.streaming, self.record_timeline = cm, cfg, streaming, record_timeline
+    def __init__(
+        self,
+        workload: list[WorkloadRequest],
+        cm: CostModel,
+        cfg: FixedBatchConfig,
+        streaming: bool,
+        record_timeline: bool,
+        recorder: FixedBatchRecorder | None = None,
+    ) -> None:
+        self.cm, self.cfg, self.streaming, self.record_timeline = (
+            cm,
+            cfg,
+            streaming,
+            record_timeline,
+        )
         self.recorder = recorder
         cap = cfg.kv_capacity_tokens
-        self.rejected = {w.request_id for w in workload if cap is not None and w.prompt_len + w.output_len > cap}
+        self.rejected = {
+            w.request_id for w in workload if cap is not None and w.prompt_len + w.output_len > cap
+        }
         self.queue = sorted((w for w in workload if w.request_id not in self.rejected),
                             key=lambda w: w.arrival_time)
         self.arrivals = [w.arrival_time for w in self.queue]
@@ -65,7 +79,11 @@ class _FixedBatchRun:
         ready = max(self.now, self.arrivals[i])
         if self.streaming:
             return ready
-        full_at = self.arrivals[i + self.cfg.batch_size - 1] if i + self.cfg.batch_size <= len(self.queue) else math.inf
+        full_at = (
+            self.arrivals[i + self.cfg.batch_size - 1]
+            if i + self.cfg.batch_size <= len(self.queue)
+            else math.inf
+        )
         return max(ready, min(full_at, self.arrivals[i] + self.cfg.timeout))
 
     def take(self, i: int, start: float) -> list[WorkloadRequest]:
@@ -96,8 +114,17 @@ class _FixedBatchRun:
         self.kv.add(usage, seconds)
         if self.record_timeline:
             blocks = rows * cdiv(padded_len, self.cfg.block_size)
-            self.timeline.append(TimelinePoint(self.now, rows, self.waiting(queued_after), 0, blocks,
-                                               batch.num_prefill_tokens, batch.num_decode_tokens))
+            self.timeline.append(
+                TimelinePoint(
+                    self.now,
+                    rows,
+                    self.waiting(queued_after),
+                    0,
+                    blocks,
+                    batch.num_prefill_tokens,
+                    batch.num_decode_tokens,
+                )
+            )
         return seconds
 
     def run_batch(self, batch: list[WorkloadRequest], queued_after: int) -> None:
@@ -108,7 +135,9 @@ class _FixedBatchRun:
             shape.add(p if k == 0 else 1, 0 if k == 0 else p + k - 1, count=b)
             seconds = self.step(shape, b, p + k + 1, queued_after)
             if self.recorder is not None:
-                self.recorder.step(batch, k, seconds, self.now, self.waiting(queued_after), self.streaming)
+                self.recorder.step(
+                    batch, k, seconds, self.now, self.waiting(queued_after), self.streaming
+                )
             if self.streaming:
                 for w in batch:
                     if k < w.output_len:
@@ -131,10 +160,20 @@ class _FixedBatchRun:
         unfinished = dict.fromkeys(sorted(self.rejected), "REJECTED")
         records = [self.clock.record(rid, unfinished.get(rid)) for rid in self.clock.requests]
         rec = self.recorder
-        return SimResult(name, records, self.now, self.steps, unfinished=unfinished,
-                         mean_kv_cache_usage=self.kv.mean, max_kv_cache_usage=self.kv.max,
-                         timeline=self.timeline, busy_time=self.kv.total_time, num_busy_steps=self.kv.busy_steps,
-                         step_hello=rec.hello if rec else None, step_records=rec.records if rec else [])
+        return SimResult(
+            name,
+            records,
+            self.now,
+            self.steps,
+            unfinished=unfinished,
+            mean_kv_cache_usage=self.kv.mean,
+            max_kv_cache_usage=self.kv.max,
+            timeline=self.timeline,
+            busy_time=self.kv.total_time,
+            num_busy_steps=self.kv.busy_steps,
+            step_hello=rec.hello if rec else None,
+            step_records=rec.records if rec else [],
+        )
 
 
 def _recorder(name: str, cfg: FixedBatchConfig, record_steps: bool) -> FixedBatchRecorder | None:

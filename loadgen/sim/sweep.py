@@ -25,9 +25,20 @@ WORKLOAD_PARAMS = {"request_rate": float, "num_prompts": int, "burstiness": floa
                    "num_groups": int, "seed": int}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _OTHER_PARAMS = {"scheduling_policy", "batch_size", "batch_timeout", "max_step_ms"}
-ROW_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
-            "median_e2el_ms", "p99_e2el_ms", "median_tpot_ms", "p99_itl_ms", "num_preemptions",
-            "mean_kv_cache_usage", "unfinished")
+ROW_KEYS = (
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "median_tpot_ms",
+    "p99_itl_ms",
+    "num_preemptions",
+    "mean_kv_cache_usage",
+    "unfinished",
+)
 
 
 @dataclass(frozen=True)
@@ -43,26 +54,69 @@ class Preset:
     companion: tuple[str, tuple[str, ...]] | None = None
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("token-budget", "max_num_batched_tokens", ("256", "512", "1024", "2048", "4096", "8192"),
-           {"num_prompts": 300, "request_rate": 6.0, "prompt_len": LengthDist.parse("uniform:100:3000"),
-            "output_len": LengthDist.parse("uniform:50:400"), "num_gpu_blocks": 16384, "seed": 0},
-           "larger token budgets prefill faster (TTFT) but put long prefills next to decodes (ITL)"),
-    Preset("kv-capacity", "num_gpu_blocks", ("50", "100", "200", "400", "800", "1600"),
-           {"num_prompts": 200, "request_rate": 8.0, "prompt_len": LengthDist.parse("uniform:20:400"),
-            "output_len": LengthDist.parse("uniform:20:400"), "max_model_len": 800, "seed": 0},
-           "a small KV cache caps the batch and preempts; capacity buys throughput until compute binds"),
-    Preset("prompt-len", "prompt_len_max", ("200", "500", "1000", "2000", "3000", "5000"),
-           {"num_prompts": 200, "request_rate": 4.0, "prompt_len": LengthDist.parse("uniform:20:200"),
-            "output_len": LengthDist.parse("uniform:50:300"), "num_gpu_blocks": 1024, "seed": 0},
-           "longer prompts cost prefill compute and KV; TTFT and preemptions grow, throughput falls"),
-    Preset("step-time", "max_step_ms", ("100", "200", "300", "400", "600", "800", "1200"),
-           {"num_prompts": 48, "prompt_len": LengthDist.parse("uniform:20:600"),
-            "output_len": LengthDist.parse("uniform:32:256"), "model_shape": "smollm2-135m", "hardware": "cpu",
-            "num_gpu_blocks": 1456, "seed": 0},
-           "a step-time target bounds ITL p99 near itself; too low starves prefill (TTFT, throughput)",
-           companion=("max_num_batched_tokens", ("256", "512", "1024", "2048"))),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "token-budget",
+            "max_num_batched_tokens",
+            ("256", "512", "1024", "2048", "4096", "8192"),
+            {
+                "num_prompts": 300,
+                "request_rate": 6.0,
+                "prompt_len": LengthDist.parse("uniform:100:3000"),
+                "output_len": LengthDist.parse("uniform:50:400"),
+                "num_gpu_blocks": 16384,
+                "seed": 0,
+            },
+            "larger token budgets prefill faster (TTFT) but put long prefills next to decodes (ITL)",
+        ),
+        Preset(
+            "kv-capacity",
+            "num_gpu_blocks",
+            ("50", "100", "200", "400", "800", "1600"),
+            {
+                "num_prompts": 200,
+                "request_rate": 8.0,
+                "prompt_len": LengthDist.parse("uniform:20:400"),
+                "output_len": LengthDist.parse("uniform:20:400"),
+                "max_model_len": 800,
+                "seed": 0,
+            },
+            "a small KV cache caps the batch and preempts; capacity buys throughput until compute binds",
+        ),
+        Preset(
+            "prompt-len",
+            "prompt_len_max",
+            ("200", "500", "1000", "2000", "3000", "5000"),
+            {
+                "num_prompts": 200,
+                "request_rate": 4.0,
+                "prompt_len": LengthDist.parse("uniform:20:200"),
+                "output_len": LengthDist.parse("uniform:50:300"),
+                "num_gpu_blocks": 1024,
+                "seed": 0,
+            },
+            "longer prompts cost prefill compute and KV; TTFT and preemptions grow, throughput falls",
+        ),
+        Preset(
+            "step-time",
+            "max_step_ms",
+            ("100", "200", "300", "400", "600", "800", "1200"),
+            {
+                "num_prompts": 48,
+                "prompt_len": LengthDist.parse("uniform:20:600"),
+                "output_len": LengthDist.parse("uniform:32:256"),
+                "model_shape": "smollm2-135m",
+                "hardware": "cpu",
+                "num_gpu_blocks": 1456,
+                "seed": 0,
+            },
+            "a step-time target bounds ITL p99 near itself; too low starves prefill (TTFT, throughput)",
+            companion=("max_num_batched_tokens", ("256", "512", "1024", "2048")),
+        ),
+    )
+}
 
 
 def companion_rows(args: argparse.Namespace, preset: Preset) -> list[dict[str, Any]]:

@@ -51,11 +51,17 @@ class FixedBatchRecorder:
             rec["padding"] = [w.request_id for w in batch if k >= w.output_len]
         self._emitted(rec, batch, k, o, streaming)
         used = min(len(batch) * per_row, self.num_blocks)
-        rec["running"], rec["waiting"], rec["kv"] = len(batch), waiting, [used, 0, self.num_blocks - used]
+        rec["running"], rec["waiting"], rec["kv"] = (
+            len(batch),
+            waiting,
+            [used, 0, self.num_blocks - used],
+        )
         self.records.append(rec)
 
     @staticmethod
-    def _emitted(rec: Record, batch: list[WorkloadRequest], k: int, o: int, streaming: bool) -> None:
+    def _emitted(
+        rec: Record, batch: list[WorkloadRequest], k: int, o: int, streaming: bool
+    ) -> None:
         """Tokens the client sees: each step's (padding), or all at the batch's end (static)."""
         if streaming:
             live = [w for w in batch if k < w.output_len]
@@ -73,10 +79,15 @@ def timeline_run(name: str, run_hello: Record, records: list[Record]) -> dict[st
     return {"name": name, "hello": run_hello, "records": [compact(r) for r in records]}
 
 
-def write_timeline(path: str | Path, runs: list[dict[str, Any]], config: dict[str, Any] | None = None) -> None:
+def write_timeline(
+    path: str | Path, runs: list[dict[str, Any]], config: dict[str, Any] | None = None
+) -> None:
     """One file with every run, to be played side by side by the dashboard."""
     # JSON has no Infinity (an unbounded request rate): such values are written as text
-    cfg = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in (config or {}).items()}
+    cfg = {
+        k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
+        for k, v in (config or {}).items()
+    }
     data = {"format": TIMELINE_FORMAT, "version": 1, "config": cfg, "runs": runs}
     Path(path).write_text(json.dumps(data, separators=(",", ":"), default=str, allow_nan=False))
 
@@ -88,5 +99,7 @@ def read_timeline(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read a timeline ({exc})") from exc
     if not isinstance(data, dict) or data.get("format") != TIMELINE_FORMAT or not data.get("runs"):
-        raise ValueError(f"{path}: not a stepserve timeline (write one with stepserve simulate --timeline-json)")
+        raise ValueError(
+            f"{path}: not a stepserve timeline (write one with stepserve simulate --timeline-json)"
+        )
     return data

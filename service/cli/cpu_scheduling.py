@@ -38,7 +38,9 @@ def apply_engine_cpu_scheduling(name: str) -> str:
     """Set `name` ("batch" or "normal") on every thread of this process (threads started
     later inherit it from their creator); returns what was done, for the log."""
     if name not in ENGINE_CPU_SCHEDULING:
-        raise ValueError(f"engine scheduling policy must be one of {ENGINE_CPU_SCHEDULING}, got {name!r}")
+        raise ValueError(
+            f"engine scheduling policy must be one of {ENGINE_CPU_SCHEDULING}, got {name!r}"
+        )
     if not _supported():
         return f"engine scheduling policy left as is ({sys.platform} has no SCHED_BATCH)"
     policy = os.SCHED_BATCH if name == "batch" else os.SCHED_OTHER
@@ -52,4 +54,6 @@ def apply_engine_cpu_scheduling(name: str) -> str:
             failed.append(f"{tid}: {exc}")
     if failed:
         return f"engine scheduling policy {name}: not set on {len(failed)} thread(s) ({failed[0]})"
-    return f"engine scheduling policy {name} ({'SCHED_BATCH' if name == 'batch' else 'SCHED_OTHER'})"
+    return (
+        f"engine scheduling policy {name} ({'SCHED_BATCH' if name == 'batch' else 'SCHED_OTHER'})"
+    )

@@ -64,18 +64,27 @@ def _token_budget(args: argparse.Namespace, max_model_len: int) -> int:
     return token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
 
 
-def scheduler_config(args: argparse.Namespace, info: WorkerInfo, step_cost: StepCostFn | None = None) -> SchedulerConfig:
+def scheduler_config(
+    args: argparse.Namespace, info: WorkerInfo, step_cost: StepCostFn | None = None
+) -> SchedulerConfig:
     """The one place the scheduler's config is built: flags plus the worker's handshake
     (and its measured step-cost model and copy bandwidth, when there is one)."""
     pool_tokens = info.num_gpu_blocks * info.block_size
     max_model_len = info.max_model_len
     if pool_tokens < max_model_len:
-        log.warning("KV cache holds %d tokens; capping max_model_len %d to it", pool_tokens, max_model_len)
+        log.warning(
+            "KV cache holds %d tokens; capping max_model_len %d to it", pool_tokens, max_model_len
+        )
         max_model_len = pool_tokens
     bandwidth = {"swap_bandwidth": info.copy_bandwidth} if info.copy_bandwidth > 0 else {}
     return scheduler_flags.from_args(
-        args, max_model_len=max_model_len, block_size=info.block_size, num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks, kv_bytes_per_token=info.kv_bytes_per_token, step_cost=step_cost,
+        args,
+        max_model_len=max_model_len,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        step_cost=step_cost,
         **bandwidth,
     )
 
@@ -101,9 +110,16 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             raise
         name = a["served_model_name"] or info.model_name
         metrics = ServiceMetrics(name)
-        metrics.set_worker(device=info.device, dtype=info.dtype, quantization=info.quantization, compiled=info.compiled,
-                           attention_backend=info.attention_backend, num_threads=info.num_threads,
-                           batch_invariant=info.batch_invariant, kv_cache_dtype=info.kv_cache_dtype)
+        metrics.set_worker(
+            device=info.device,
+            dtype=info.dtype,
+            quantization=info.quantization,
+            compiled=info.compiled,
+            attention_backend=info.attention_backend,
+            num_threads=info.num_threads,
+            batch_invariant=info.batch_invariant,
+            kv_cache_dtype=info.kv_cache_dtype,
+        )
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
@@ -113,18 +129,34 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             metrics=metrics,
             step_time=StepCostFeed(step_model, sched_config.step_time_limit_s, metrics),
         )
-        log.info("worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d "
-                 "tokens (%s)", info.model_name, info.device, info.dtype, info.quantization,
-                 info.extra.get("forward", "eager"), info.attention_backend, info.num_threads, info.num_gpu_blocks,
-                 info.block_size, info.kv_cache_dtype)
-        log.info("step budget: %d tokens, %s; swap copies at %.1f GB/s", sched_config.max_num_batched_tokens,
-                 f"{sched_config.max_step_ms:g} ms (prefill share >= {sched_config.min_prefill_share:g})"
-                 if sched_config.step_time_limit_s else "no time budget",
-                 info.copy_bandwidth / 1e9)
+        log.info(
+            "worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d "
+            "tokens (%s)",
+            info.model_name,
+            info.device,
+            info.dtype,
+            info.quantization,
+            info.extra.get("forward", "eager"),
+            info.attention_backend,
+            info.num_threads,
+            info.num_gpu_blocks,
+            info.block_size,
+            info.kv_cache_dtype,
+        )
+        log.info(
+            "step budget: %d tokens, %s; swap copies at %.1f GB/s",
+            sched_config.max_num_batched_tokens,
+            f"{sched_config.max_step_ms:g} ms (prefill share >= {sched_config.min_prefill_share:g})"
+            if sched_config.step_time_limit_s
+            else "no time budget",
+            info.copy_bandwidth / 1e9,
+        )
         freeze_startup_heap()
         # after the worker started (it would inherit the policy, though it resets its own)
         log.info("%s", apply_engine_cpu_scheduling(a["engine_cpu_scheduling"]))
-        return LoadedEngine(engine, name, sched_config.max_model_len, info.vocab_size, info.model_path)
+        return LoadedEngine(
+            engine, name, sched_config.max_model_len, info.vocab_size, info.model_path
+        )
 
     return build
 
@@ -161,7 +193,9 @@ async def serve(args: argparse.Namespace) -> int:
     state = app[STATE]
     # After the engine drained, aiohttp waits (up to the same timeout) for handlers to write
     # their last events before it closes connections.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=a["shutdown_timeout"], access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=a["shutdown_timeout"], access_log=None
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, a["host"], a["port"]).start()
@@ -169,7 +203,11 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s:%d: %s", a["host"], a["port"], exc)
         await runner.cleanup()
         return 1
-    log.info("listening on http://%s:%d (/health turns 200 once the model is loaded)", a["host"], a["port"])
+    log.info(
+        "listening on http://%s:%d (/health turns 200 once the model is loaded)",
+        a["host"],
+        a["port"],
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,7 +229,9 @@ async def _drain(state: ServiceState, timeout: float) -> None:
     state.status = Status.DRAINING
     if state.loaded is None:
         return
-    log.info("draining %d in-flight requests (up to %g s)", state.loaded.engine.num_unfinished, timeout)
+    log.info(
+        "draining %d in-flight requests (up to %g s)", state.loaded.engine.num_unfinished, timeout
+    )
     if not await state.loaded.engine.drain(timeout):
         log.warning("shutdown timeout: aborted the requests still running")
 

@@ -25,7 +25,9 @@ def create_view_app(path: Path) -> web.Application:
     """The viewer app for one timeline file (checked by the caller)."""
 
     async def timeline(request: web.Request) -> web.StreamResponse:
-        return web.FileResponse(path, headers={"Content-Type": "application/json", "Cache-Control": "no-cache"})
+        return web.FileResponse(
+            path, headers={"Content-Type": "application/json", "Cache-Control": "no-cache"}
+        )
 
     async def root(request: web.Request) -> web.StreamResponse:
         raise web.HTTPFound(f"/dashboard?timeline={TIMELINE_PATH}")
@@ -38,8 +40,12 @@ def create_view_app(path: Path) -> web.Application:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stepserve view", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", type=Path, help="a timeline file from `stepserve simulate --timeline-json`")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default %(default)s)")
+    p.add_argument(
+        "file", type=Path, help="a timeline file from `stepserve simulate --timeline-json`"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (default %(default)s)"
+    )
     p.add_argument("--port", type=int, default=8001, help="TCP port (default %(default)s)")
     return p
 
@@ -55,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     names = ", ".join(str(r.get("name")) for r in data["runs"])
     print(f"stepserve view: {args.file} ({names}) at http://{args.host}:{args.port}/", flush=True)
     try:
-        web.run_app(create_view_app(args.file.resolve()), host=args.host, port=args.port, print=None)
+        web.run_app(
+            create_view_app(args.file.resolve()), host=args.host, port=args.port, print=None
+        )
     except OSError as exc:
         print(f"stepserve view: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

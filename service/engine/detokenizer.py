@@ -41,7 +41,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(
-        self, token_ids: Sequence[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool | None = ...
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = ...,
+        clean_up_tokenization_spaces: bool | None = ...,
     ) -> str: ...
 
 
@@ -55,7 +58,9 @@ def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return str(backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-    return tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(
+        list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 class TokenTexts:
@@ -71,14 +76,24 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = decode(self._tokenizer, (token_id,), skip_special_tokens=False)
+            text = self._cache[token_id] = decode(
+                self._tokenizer, (token_id,), skip_special_tokens=False
+            )
         return text
 
 
 class IncrementalDetokenizer:
     """Text deltas for a growing list of output token ids."""
 
-    __slots__ = ("_tokenizer", "_backend", "_stream", "_ids", "_prefix_offset", "_read_offset", "_emitted")
+    __slots__ = (
+        "_tokenizer",
+        "_backend",
+        "_stream",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_emitted",
+    )
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -91,7 +91,9 @@ class AsyncEngine:
         self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
         if step_time is not None:
             self.step_records.set_predictor(step_time.predicted)
-            self.step_records.time_target_ms = step_time.target * 1e3 if step_time.target > 0 else None
+            self.step_records.time_target_ms = (
+                step_time.target * 1e3 if step_time.target > 0 else None
+            )
 
     # -- handler side ----------------------------------------------------------------------
 
@@ -132,8 +134,16 @@ class AsyncEngine:
         if request_id in self.output:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, len(prompt_token_ids), self.abort, self.output.max_buffered_tokens)
-        req = Request(request_id, list(prompt_token_ids), sampling_params, now, eos_token_ids=self.eos_token_ids)
+        stream = RequestStream(
+            request_id, len(prompt_token_ids), self.abort, self.output.max_buffered_tokens
+        )
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling_params,
+            now,
+            eos_token_ids=self.eos_token_ids,
+        )
         if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
             req.tenant = user
         self.output.add_request(stream, tuple(stop), include_stop_str_in_output, now)
@@ -153,7 +163,11 @@ class AsyncEngine:
     ) -> AsyncIterator[StreamDelta]:
         """Submit and yield the request's deltas; leaving early aborts it."""
         stream = self.submit(
-            prompt_token_ids, sampling_params, request_id, stop=stop, include_stop_str_in_output=include_stop_str_in_output
+            prompt_token_ids,
+            sampling_params,
+            request_id,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         try:
             async for delta in stream:
@@ -251,7 +265,9 @@ class AsyncEngine:
             now = self.clock()
             self.worker.submit(plan)
             stats = self.scheduler.stats()  # its step_* fields describe this plan
-            in_flight.append(InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens))
+            in_flight.append(
+                InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens)
+            )
             if self.step_time is not None:
                 self.step_time.on_plan(plan, stats)
             self.step_records.on_plan(plan, now)
@@ -283,8 +299,13 @@ class AsyncEngine:
             self.metrics.observe_stats(self._stats)
             if not step.plan.is_empty:
                 duration = now - max(step.submitted, self._last_output_time)
-                self.metrics.observe_step(step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration,
-                                          output.execute_time)
+                self.metrics.observe_step(
+                    step.plan.num_reqs,
+                    step.prefill_tokens,
+                    step.decode_tokens,
+                    duration,
+                    output.execute_time,
+                )
         self._last_output_time = now
         if not self.output:
             self._idle.set()

@@ -149,14 +149,27 @@ class OutputProcessor:
             text += self._final_text(state)
         state.num_output = out.num_output_tokens
         state.num_cached = out.num_cached_tokens
-        reason, stop_reason = (out.finish_reason, out.stop_token_id) if out.finished else (None, None)
+        reason, stop_reason = (
+            (out.finish_reason, out.stop_token_id) if out.finished else (None, None)
+        )
         if stops is not None and stops.matched is not None:
             reason, stop_reason = "stop", stops.matched
-        if state.stream.push(text, out.new_token_ids, out.logprobs, out.num_output_tokens, out.num_cached_tokens,
-                             reason, stop_reason):
+        if state.stream.push(
+            text,
+            out.new_token_ids,
+            out.logprobs,
+            out.num_output_tokens,
+            out.num_cached_tokens,
+            reason,
+            stop_reason,
+        ):
             return reason
         behind = state.stream.num_buffered_tokens
-        state.stream.fail(ReaderTooSlowError(f"the client fell {behind} tokens behind the generation; request aborted"))
+        state.stream.fail(
+            ReaderTooSlowError(
+                f"the client fell {behind} tokens behind the generation; request aborted"
+            )
+        )
         return "abort"
 
     @staticmethod
@@ -175,7 +188,9 @@ class OutputProcessor:
         state = self._reqs.pop(request_id, None)
         if state is None:
             return False
-        state.stream.push(self._final_text(state), (), (), state.num_output, state.num_cached, "abort")
+        state.stream.push(
+            self._final_text(state), (), (), state.num_output, state.num_cached, "abort"
+        )
         self._record_finish(state, "abort", now)
         return True
 
@@ -196,8 +211,19 @@ class OutputProcessor:
     def _record_finish(self, state: _RequestState, reason: str, now: float) -> None:
         if self.metrics is None:
             return
-        queue_time = None if state.first_scheduled_time is None else state.first_scheduled_time - state.arrival_time
-        ttft = None if state.first_token_time is None else state.first_token_time - state.arrival_time
-        self.metrics.observe_finished(reason, e2e=now - state.arrival_time, queue_time=queue_time, ttft=ttft,
-                                      num_output=state.num_output)
+        queue_time = (
+            None
+            if state.first_scheduled_time is None
+            else state.first_scheduled_time - state.arrival_time
+        )
+        ttft = (
+            None if state.first_token_time is None else state.first_token_time - state.arrival_time
+        )
+        self.metrics.observe_finished(
+            reason,
+            e2e=now - state.arrival_time,
+            queue_time=queue_time,
+            ttft=ttft,
+            num_output=state.num_output,
+        )
 

@@ -122,7 +122,10 @@ class Subscription:
             span = (self.buffer[0], self.buffer[-1], len(self.buffer))
             shared = self.hub.joined
             if shared is None or shared[:3] != span:
-                shared = self.hub.joined = (*span, b"".join(entry.encoded() for entry in self.buffer))
+                shared = self.hub.joined = (
+                    *span,
+                    b"".join(entry.encoded() for entry in self.buffer),
+                )
             self.buffer.clear()
             out.append(shared[3])
         return out
@@ -141,15 +144,22 @@ class Subscription:
 class StepRecordHub:
     """The engine's recorder plus its subscribers (see the module docstring)."""
 
-    def __init__(self, scheduler: SchedulerInterface, clock: Callable[[], float] = time.monotonic,
-                 buffer_records: int = BUFFER_RECORDS, map_interval: float = MAP_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        scheduler: SchedulerInterface,
+        clock: Callable[[], float] = time.monotonic,
+        buffer_records: int = BUFFER_RECORDS,
+        map_interval: float = MAP_INTERVAL_S,
+    ) -> None:
         self.clock = clock
         self.buffer_records = buffer_records
         # Any other SchedulerInterface (a test double) gets no live view.
         self.recorder = (StepRecorder(scheduler, clock(), map_interval, short_ids=True)
                          if isinstance(scheduler, Scheduler) else None)
         self.subscribers: list[Subscription] = []
-        self.time_target_ms: float | None = None  # the scheduler's step-time target, once it has one
+        self.time_target_ms: float | None = (
+            None  # the scheduler's step-time target, once it has one
+        )
         self.published = 0
         # the last joined run of entries: (first, last, count, bytes), for viewers in step
         self.joined: tuple[_Entry, _Entry, int, bytes] | None = None
@@ -205,8 +215,14 @@ class StepRecordHub:
         """Somebody listens: records are being built."""
         return bool(self.subscribers) and self.recorder is not None
 
-    def on_output(self, plan: SchedulerOutput, output: ModelRunnerOutput, outputs: Sequence[RequestOutput],
-                  now: float, delivered: StepDelivery | None = None) -> None:
+    def on_output(
+        self,
+        plan: SchedulerOutput,
+        output: ModelRunnerOutput,
+        outputs: Sequence[RequestOutput],
+        now: float,
+        delivered: StepDelivery | None = None,
+    ) -> None:
         """`delivered`: the output processor's summary of the step (tokens, first tokens and
         ends as the clients saw them); without it the record is built from `outputs`."""
         last, self._last_output = self._last_output, now
@@ -214,8 +230,9 @@ class StepRecordHub:
         if submitted is None or self.recorder is None:
             return
         # the engine's step time, as its step_duration metric counts it
-        rec = self.recorder.on_output(plan, outputs, now, now - max(submitted, last), output.execute_time,
-                                      delivered)
+        rec = self.recorder.on_output(
+            plan, outputs, now, now - max(submitted, last), output.execute_time, delivered
+        )
         if rec is not None:
             self.publish(rec)
 

@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 def create_app(config: AppConfig, engine_factory: EngineFactory) -> web.Application:
     """Build the app; the engine is created by `engine_factory` once the app starts."""
-    app = web.Application(client_max_size=config.max_body_size, middlewares=[error_middleware, auth_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_size, middlewares=[error_middleware, auth_middleware]
+    )
     app[STATE] = ServiceState(config)
     app.add_routes(_routes(config))
     if config.enable_dashboard:
@@ -65,8 +67,14 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if key and request.path.startswith("/v1/"):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+            )
     return await handler(request)
 
 
@@ -132,7 +140,11 @@ async def version(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition (empty until the engine exists)."""
     loaded = request.app[STATE].loaded
-    body = b"" if loaded is None or loaded.engine.metrics is None else loaded.engine.metrics.exposition()
+    body = (
+        b""
+        if loaded is None or loaded.engine.metrics is None
+        else loaded.engine.metrics.exposition()
+    )
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

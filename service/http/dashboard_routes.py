@@ -23,7 +23,9 @@ from service.http.sse import event, open_event_stream
 from service.http.state import STATE
 
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
-STATIC_FILES = frozenset(p.name for p in DASHBOARD_DIR.iterdir() if p.suffix in (".js", ".css", ".html"))
+STATIC_FILES = frozenset(
+    p.name for p in DASHBOARD_DIR.iterdir() if p.suffix in (".js", ".css", ".html")
+)
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 COOKIE = "stepserve_dashboard"
 FLUSH_INTERVAL_S = 0.05  # a viewer gets at most 20 writes a second, however fast steps are
@@ -92,7 +94,9 @@ async def static_file(request: web.Request) -> web.StreamResponse:
     if name not in STATIC_FILES:
         raise APIError(404, f"no dashboard file {name!r}", code="not_found")
     path = DASHBOARD_DIR / name
-    return web.FileResponse(path, headers={"Content-Type": _TYPES[path.suffix], "Cache-Control": "no-cache"})
+    return web.FileResponse(
+        path, headers={"Content-Type": _TYPES[path.suffix], "Cache-Control": "no-cache"}
+    )
 
 
 async def login(request: web.Request) -> web.StreamResponse:
@@ -103,7 +107,9 @@ async def login(request: web.Request) -> web.StreamResponse:
         return _login_page(401, "That key is not right.")
     redirect = web.HTTPSeeOther("/dashboard")
     if key:
-        redirect.set_cookie(COOKIE, cookie_token(key), path="/dashboard", httponly=True, samesite="Strict")
+        redirect.set_cookie(
+            COOKIE, cookie_token(key), path="/dashboard", httponly=True, samesite="Strict"
+        )
     raise redirect
 
 

@@ -68,7 +68,9 @@ class APIError(Exception):
         )
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """``{"error": {...}}`` for a status; `code` defaults to the status's name."""
     return {
         "error": {
@@ -124,7 +126,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
     same_field = [e for e in errors if _field_name(e["loc"]) == field]
     if len(same_field) > 1:
         # A union field: every alternative failed; list what was acceptable.
-        message = f"invalid value for '{field}': {first['input']!r:.80} does not match any accepted type"
+        message = (
+            f"invalid value for '{field}': {first['input']!r:.80} does not match any accepted type"
+        )
     else:
         message = f"invalid value for '{field}': {first['msg']} (got {first['input']!r:.80})"
     return APIError(400, message, param=field or None)
@@ -132,7 +136,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 def _from_http_exception(exc: web.HTTPException) -> APIError:
     if exc.status == 404:
-        return APIError(404, "route not found; see /v1/models, /v1/completions, /v1/chat/completions")
+        return APIError(
+            404, "route not found; see /v1/models, /v1/completions, /v1/chat/completions"
+        )
     if exc.status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
         return APIError(405, f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})

@@ -58,7 +58,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     raw_prompts = req.prompts()
     _check_choice_count(len(raw_prompts), req.n)  # before tokenizing them all
     prompts = [await _prompt_ids(state, loaded, p) for p in raw_prompts]
-    return await _serve(request, state, loaded, req, prompts, R.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=False))
+    return await _serve(
+        request,
+        state,
+        loaded,
+        req,
+        prompts,
+        R.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=False),
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -71,8 +78,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         ids = await _in_executor(state, apply_chat_template, tokenizer, req.chat_messages(), True)
     except Exception as exc:  # the template (jinja) rejects these messages, e.g. an odd role order
-        raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None
-    return await _serve(request, state, loaded, req, [ids], R.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=True))
+        raise bad_request(
+            f"cannot apply the chat template to these messages: {exc}", "messages"
+        ) from None
+    return await _serve(
+        request,
+        state,
+        loaded,
+        req,
+        [ids],
+        R.ResponseMeta(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=True
+        ),
+    )
 
 
 def _ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
@@ -81,7 +99,9 @@ def _ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
 
 
 def _is_json(content_type: str) -> bool:
-    return content_type == "application/json" or (content_type.startswith("application/") and content_type.endswith("+json"))
+    return content_type == "application/json" or (
+        content_type.startswith("application/") and content_type.endswith("+json")
+    )
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -101,14 +121,21 @@ async def _read_json(request: web.Request) -> Any:
 
 def _check_model(model: str | None, loaded: LoadedEngine) -> None:
     if model is not None and model != loaded.model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{loaded.model_name}`.", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{loaded.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def _in_executor(state: ServiceState, fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(state.executor, fn, *args)
 
 
-async def _prompt_ids(state: ServiceState, loaded: LoadedEngine, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(
+    state: ServiceState, loaded: LoadedEngine, prompt: str | list[int]
+) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
@@ -117,13 +144,17 @@ async def _prompt_ids(state: ServiceState, loaded: LoadedEngine, prompt: str | l
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < loaded.vocab_size]
         if bad:
-            raise bad_request(f"prompt token ids must be in [0, {loaded.vocab_size}); got {bad[:5]}", "prompt")
+            raise bad_request(
+                f"prompt token ids must be in [0, {loaded.vocab_size}); got {bad[:5]}", "prompt"
+            )
     if not ids:
         raise bad_request("prompt must contain at least one token", "prompt")
     return ids
 
 
-def _choices(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], loaded: LoadedEngine) -> list[_Choice]:
+def _choices(
+    req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], loaded: LoadedEngine
+) -> list[_Choice]:
     _check_choice_count(len(prompts), req.n)
     out: list[_Choice] = []
     for p, ids in enumerate(prompts):
@@ -139,7 +170,9 @@ def _check_choice_count(num_prompts: int, n: int) -> None:
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
     if n * num_prompts > MAX_CHOICES:
-        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {n * num_prompts}", "n")
+        raise bad_request(
+            f"at most {MAX_CHOICES} choices (prompts x n) per request, got {n * num_prompts}", "n"
+        )
 
 
 def _check_worker_limits(params: SamplingParams, n: int, vocab_size: int) -> None:
@@ -147,9 +180,13 @@ def _check_worker_limits(params: SamplingParams, n: int, vocab_size: int) -> Non
     that other requests share."""
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
-        raise bad_request(f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", "stop_token_ids")
+        raise bad_request(
+            f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", "stop_token_ids"
+        )
     if params.seed is not None and params.seed + n - 1 >= 2**63:
-        raise bad_request(f"seed + n - 1 must be below 2**63, got seed {params.seed} with n={n}", "seed")
+        raise bad_request(
+            f"seed + n - 1 must be below 2**63, got seed {params.seed} with n={n}", "seed"
+        )
 
 
 async def _serve(
@@ -165,7 +202,14 @@ async def _serve(
     try:
         engine.check_capacity(len(choices))
         streams = [
-            engine.submit(c.prompt_ids, c.params, f"{meta.id}-{c.index}", stop=req.stop_strings, include_stop_str_in_output=req.include_stop_str_in_output, user=req.user)
+            engine.submit(
+                c.prompt_ids,
+                c.params,
+                f"{meta.id}-{c.index}",
+                stop=req.stop_strings,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                user=req.user,
+            )
             for c in choices
         ]
     except EngineOverloadedError as exc:
@@ -175,8 +219,19 @@ async def _serve(
     prompt_tokens = sum(len(ids) for ids in prompts)
     try:
         if req.stream:
-            return await _stream(request, state, engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens)
-        return await _whole(engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens)
+            return await _stream(
+                request,
+                state,
+                engine.token_texts,
+                req,
+                meta,
+                streams,
+                [c.index for c in choices],
+                prompt_tokens,
+            )
+        return await _whole(
+            engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens
+        )
     finally:  # whatever happened (a client gone before the first event included), abort the rest
         for stream in streams:
             stream.close()
@@ -189,7 +244,12 @@ def _generation_error(exc: EngineError) -> APIError:
 
 
 async def _whole(
-    token_text: R.TokenText, req: BaseModel, meta: R.ResponseMeta, streams: list[RequestStream], indices: list[int], prompt_tokens: int
+    token_text: R.TokenText,
+    req: BaseModel,
+    meta: R.ResponseMeta,
+    streams: list[RequestStream],
+    indices: list[int],
+    prompt_tokens: int,
 ) -> web.Response:
     results = [R.ChoiceResult(index=i) for i in indices]
     cached = 0
@@ -282,15 +342,30 @@ class _EventBuilder:
 
     def content(self, pos: int, delta: StreamDelta) -> bytes:
         self.num_output[pos] = delta.num_output_tokens
-        if delta.finished and self.indices[pos] % self.n == 0:  # a prompt counts once, as in prompt_tokens
+        if (
+            delta.finished and self.indices[pos] % self.n == 0
+        ):  # a prompt counts once, as in prompt_tokens
             self.cached += delta.num_cached_tokens
-        logprobs = _delta_logprobs(self.token_text, self.meta, delta, self.offsets[pos]) if self.want_logprobs else None
+        logprobs = (
+            _delta_logprobs(self.token_text, self.meta, delta, self.offsets[pos])
+            if self.want_logprobs
+            else None
+        )
         self.offsets[pos] += len(delta.text)
-        choice = R.stream_choice(self.meta, self.indices[pos], delta.text, delta.finish_reason, delta.stop_reason, logprobs)
+        choice = R.stream_choice(
+            self.meta,
+            self.indices[pos],
+            delta.text,
+            delta.finish_reason,
+            delta.stop_reason,
+            logprobs,
+        )
         return self.encoder.choice_event(choice)
 
 
-def _delta_logprobs(token_text: R.TokenText, meta: R.ResponseMeta, delta: StreamDelta, offset: int) -> dict[str, Any]:
+def _delta_logprobs(
+    token_text: R.TokenText, meta: R.ResponseMeta, delta: StreamDelta, offset: int
+) -> dict[str, Any]:
     if meta.chat:
         return R.chat_logprobs(token_text, delta.token_ids, delta.logprobs)
     return R.completion_logprobs(token_text, delta.token_ids, delta.logprobs, offset)

@@ -77,11 +77,15 @@ class _SamplingRequest(BaseModel):
         """Checks pydantic cannot express: stop strings must be non-empty and few."""
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS:
-            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
+            raise bad_request(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop"
+            )
         if any(s == "" for s in stops):
             raise bad_request("stop strings must not be empty", "stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise bad_request(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
+            raise bad_request(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop"
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -182,7 +186,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -203,7 +211,11 @@ class ChatCompletionRequest(_SamplingRequest):
 def resolve_max_tokens(req: _SamplingRequest, num_prompt_tokens: int, max_model_len: int) -> int:
     """The completion budget, checked against the context; 400 with the numbers if over."""
     requested = req.requested_max_tokens()
-    param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None else "max_tokens"
+    param = (
+        "max_completion_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+        else "max_tokens"
+    )
     if requested is not None and requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}", param)
     what = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"

@@ -47,7 +47,9 @@ class ChoiceResult:
     num_output_tokens: int = 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
     """The `usage` object."""
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
@@ -60,7 +62,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def completion_logprobs(
-    token_text: TokenText, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...], offset: int
+    token_text: TokenText,
+    token_ids: list[int] | tuple[int, ...],
+    logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...],
+    offset: int,
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object for some tokens, text offsets from `offset`."""
     tokens = [token_text(t) for t in token_ids]
@@ -77,7 +82,9 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    token_text: TokenText, token_ids: list[int] | tuple[int, ...], logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
+    token_text: TokenText,
+    token_ids: list[int] | tuple[int, ...],
+    logprobs: list[TokenLogprobs] | tuple[TokenLogprobs, ...],
 ) -> dict[str, Any]:
     """The chat `logprobs` object: one entry per token with its top alternatives."""
 
@@ -94,18 +101,32 @@ def chat_logprobs(
 
 
 def full_response(
-    meta: ResponseMeta, choices: list[ChoiceResult], usage_body: dict[str, Any], token_text: TokenText, want_logprobs: bool
+    meta: ResponseMeta,
+    choices: list[ChoiceResult],
+    usage_body: dict[str, Any],
+    token_text: TokenText,
+    want_logprobs: bool,
 ) -> dict[str, Any]:
     """A whole (non-streaming) completion or chat completion."""
     out = []
     for c in sorted(choices, key=lambda c: c.index):
-        item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        item: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
         if meta.chat:
             item["message"] = {"role": "assistant", "content": c.text}
-            item["logprobs"] = chat_logprobs(token_text, c.token_ids, c.logprobs) if want_logprobs else None
+            item["logprobs"] = (
+                chat_logprobs(token_text, c.token_ids, c.logprobs) if want_logprobs else None
+            )
         else:
             item["text"] = c.text
-            item["logprobs"] = completion_logprobs(token_text, c.token_ids, c.logprobs, 0) if want_logprobs else None
+            item["logprobs"] = (
+                completion_logprobs(token_text, c.token_ids, c.logprobs, 0)
+                if want_logprobs
+                else None
+            )
         out.append(item)
     return {
         "id": meta.id,
@@ -117,7 +138,12 @@ def full_response(
     }
 
 
-def chunk(meta: ResponseMeta, choice: dict[str, Any] | None, usage_body: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+def chunk(
+    meta: ResponseMeta,
+    choice: dict[str, Any] | None,
+    usage_body: dict[str, Any] | None,
+    include_usage: bool,
+) -> dict[str, Any]:
     """One stream chunk; `choice` None makes the final usage-only chunk."""
     body: dict[str, Any] = {
         "id": meta.id,
@@ -138,7 +164,14 @@ class ChunkEncoder:
     __slots__ = ("_prefix", "_suffix")
 
     def __init__(self, meta: ResponseMeta, include_usage: bool) -> None:
-        head = orjson.dumps({"id": meta.id, "object": meta.chunk_object, "created": meta.created, "model": meta.model})
+        head = orjson.dumps(
+            {
+                "id": meta.id,
+                "object": meta.chunk_object,
+                "created": meta.created,
+                "model": meta.model,
+            }
+        )
         self._prefix = b"data: " + head[:-1] + b',"choices":['
         self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
 
@@ -148,7 +181,12 @@ class ChunkEncoder:
 
 def chat_role_choice(index: int) -> dict[str, Any]:
     """The first chunk of each chat choice announces the assistant role."""
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
 
 
 def stream_choice(

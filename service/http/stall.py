@@ -61,7 +61,9 @@ class GuardedWriter:
 class StallWatch:
     """The open SSE writers of one app, and the task that aborts stalled ones."""
 
-    def __init__(self, timeout: float = DEFAULT_STALL_TIMEOUT, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, timeout: float = DEFAULT_STALL_TIMEOUT, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"stream stall timeout must be > 0 seconds, got {timeout}")
         self.timeout = timeout

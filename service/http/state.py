@@ -39,7 +39,9 @@ class AppConfig:
     enable_debug_endpoints: bool = False
     enable_dashboard: bool = True  # GET /dashboard and its record stream
     tokenizer_threads: int = 2
-    stream_stall_timeout: float = DEFAULT_STALL_TIMEOUT  # seconds a client may stop reading an SSE stream
+    stream_stall_timeout: float = (
+        DEFAULT_STALL_TIMEOUT  # seconds a client may stop reading an SSE stream
+    )
 
 
 @dataclass
@@ -71,7 +73,9 @@ class ServiceState:
     stall_watch: StallWatch = field(init=False)  # aborts SSE clients that stopped reading
 
     def __post_init__(self) -> None:
-        self.executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="stepserve-tokenize")
+        self.executor = ThreadPoolExecutor(
+            self.config.tokenizer_threads, thread_name_prefix="stepserve-tokenize"
+        )
         self.stall_watch = StallWatch(self.config.stream_stall_timeout)
 
     def require_ready(self) -> LoadedEngine:
@@ -83,7 +87,9 @@ class ServiceState:
             Status.DRAINING: "the server is shutting down",
             Status.FAILED: f"the server has failed: {self.error or 'unknown error'}",
         }.get(self.status, "the server is not ready")
-        raise APIError(503, reason, headers={"Retry-After": "1"} if self.status is Status.STARTING else None)
+        raise APIError(
+            503, reason, headers={"Retry-After": "1"} if self.status is Status.STARTING else None
+        )
 
     def fail(self, error: str) -> None:
         """Mark the server failed: /health turns 503 and the process will exit non-zero."""

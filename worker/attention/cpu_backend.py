@@ -25,7 +25,9 @@ ALL_QUERIES = 1 << 62
 _registered: CpuPagedAttention | None = None  # whose caches the op's registry holds
 
 
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def paged_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+) -> torch.Tensor:
     return torch.ops.stepserve_cpu.paged_attention(q, k, v, layer)
 
 
@@ -58,5 +60,7 @@ class CpuPagedAttention:
         torch.ops.stepserve_cpu.bind_step(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                           meta.block_tables, self.small_query)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         return torch.ops.stepserve_cpu.paged_attention(q, k, v, layer)

@@ -22,7 +22,9 @@ class FlashAttention(PythonBackend):
         self._varlen = flash_attn_varlen_func
         self.paged = block_size % 256 == 0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         meta, kv_cache = self._write(k, v, layer)
         cu_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         if self.paged:

@@ -21,7 +21,9 @@ from typing import Protocol
 
 import torch
 
-KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
+KVCacheLayer = tuple[
+    torch.Tensor, torch.Tensor
+]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ class AttentionBackend(Protocol):
     def bind(self, meta: AttentionMetadata) -> None:
         """The step about to run."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor: ...
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor: ...
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, slots: torch.Tensor) -> None:

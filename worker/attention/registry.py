@@ -16,21 +16,29 @@ log = logging.getLogger("stepserve.worker")
 HALF = (torch.float16, torch.bfloat16)
 
 
-def _torch(device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool) -> AttentionBackend:
+def _torch(
+    device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool
+) -> AttentionBackend:
     from worker.attention.torch_backend import TorchAttention
 
     return TorchAttention()
 
 
-def _cpu(device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool) -> AttentionBackend:
+def _cpu(
+    device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool
+) -> AttentionBackend:
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"attention_backend=cpu needs the CPU and float32/bfloat16, got {device} {dtype}")
+        raise ValueError(
+            f"attention_backend=cpu needs the CPU and float32/bfloat16, got {device} {dtype}"
+        )
     from worker.attention.cpu_backend import CpuPagedAttention
 
     return CpuPagedAttention(batch_invariant)
 
 
-def _flash_attn(device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool) -> AttentionBackend:
+def _flash_attn(
+    device: torch.device, block_size: int, dtype: torch.dtype, batch_invariant: bool
+) -> AttentionBackend:
     from worker.attention.flash_attn_backend import FlashAttention, flash_attn_available
 
     if device.type != "cuda" or dtype not in HALF:
@@ -59,7 +67,9 @@ def make_attention_backend(
         name = _auto_backend(device, dtype in HALF)
     factory = BACKENDS.get(name)
     if factory is None:
-        raise ValueError(f"unknown attention backend {name!r} (expected auto, {', '.join(BACKENDS)})")
+        raise ValueError(
+            f"unknown attention backend {name!r} (expected auto, {', '.join(BACKENDS)})"
+        )
     return factory(device, block_size, dtype, batch_invariant)
 
 
@@ -74,5 +84,7 @@ def _auto_backend(device: torch.device, half: bool) -> str:
         ok, why = available()
         if ok:
             return "cpu"
-        log.warning("attention: the C++ cpu backend is unavailable (%s); using the torch backend", why)
+        log.warning(
+            "attention: the C++ cpu backend is unavailable (%s); using the torch backend", why
+        )
     return "torch"

@@ -30,7 +30,9 @@ class StepAttention:
         _ACTIVE = self
         return self
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         return self.backend.forward(q, k, v, layer)
 
     @property

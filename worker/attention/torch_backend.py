@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from worker.attention.metadata import AttentionMetadata, KVCacheLayer, PrefillSpan, write_kv
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Blocks of one layer's K or V, concatenated: [len(block_ids) * block_size, heads, D],
     written into `out` (a flat buffer with room for them) when given.
 
@@ -19,7 +21,9 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tenso
     if out is None:
         rows = flat.index_select(0, block_ids)
     else:
-        rows = torch.index_select(flat, 0, block_ids, out=out[: block_ids.numel() * flat.shape[1]].view(-1, flat.shape[1]))
+        rows = torch.index_select(
+            flat, 0, block_ids, out=out[: block_ids.numel() * flat.shape[1]].view(-1, flat.shape[1])
+        )
     return rows.view(-1, *cache.shape[2:])
 
 
@@ -36,7 +40,12 @@ class GatherWorkspace:
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
         need = block_ids.numel() * cache[0].numel()
         buf = self._buffers[which]
-        if buf is None or buf.numel() < need or buf.dtype != cache.dtype or buf.device != cache.device:
+        if (
+            buf is None
+            or buf.numel() < need
+            or buf.dtype != cache.dtype
+            or buf.device != cache.device
+        ):
             buf = self._buffers[which] = torch.empty(need, dtype=cache.dtype, device=cache.device)
         return gather_blocks(cache, block_ids, out=buf)
 
@@ -55,7 +64,9 @@ class PythonBackend:
     def bind(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[AttentionMetadata, KVCacheLayer]:
+    def _write(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> tuple[AttentionMetadata, KVCacheLayer]:
         """Write this layer's new K/V into the cache; the step's metadata and the layer's cache."""
         meta, kv_cache = self.meta, self.kv_layers[layer]
         assert meta is not None, "attention called outside a step"
@@ -75,7 +86,9 @@ class TorchAttention(PythonBackend):
         # before the next layer gathers.
         self.workspace = GatherWorkspace()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         meta, kv_cache = self._write(k, v, layer)
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -84,26 +97,46 @@ class TorchAttention(PythonBackend):
             out[span.token_start : span.token_end] = self._prefill(q, k, v, kv_cache, span)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: KVCacheLayer, meta: AttentionMetadata
+    ) -> torch.Tensor:
         assert meta.decode_key_mask is not None
         n, length = meta.num_decodes, meta.decode_key_mask.shape[-1]
         tables = meta.block_tables[:n, : length // meta.block_size].flatten()
-        keys = self.workspace.gather(kv_cache[0], tables, 0).view(n, length, *kv_cache[0].shape[2:]).transpose(1, 2)
-        values = self.workspace.gather(kv_cache[1], tables, 1).view(n, length, *kv_cache[1].shape[2:]).transpose(1, 2)
+        keys = (
+            self.workspace.gather(kv_cache[0], tables, 0)
+            .view(n, length, *kv_cache[0].shape[2:])
+            .transpose(1, 2)
+        )
+        values = (
+            self.workspace.gather(kv_cache[1], tables, 1)
+            .view(n, length, *kv_cache[1].shape[2:])
+            .transpose(1, 2)
+        )
         # The q heads sharing a kv head become that head's "query rows": one single-token
         # query each, same keys, so no GQA expansion (copy) of K/V is needed.
         kv_heads = keys.shape[1]
         grouped = q.view(n, kv_heads, q.shape[1] // kv_heads, q.shape[2])
-        out = F.scaled_dot_product_attention(grouped, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_key_mask)
+        out = F.scaled_dot_product_attention(
+            grouped, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_key_mask
+        )
         return out.reshape(q.shape)
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, span: PrefillSpan
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        span: PrefillSpan,
     ) -> torch.Tensor:
         n = span.token_end - span.token_start
         query = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
         if span.seq_len == n:  # nothing cached before this chunk: use the fresh K/V directly
-            keys, values = k[span.token_start : span.token_end], v[span.token_start : span.token_end]
+            keys, values = (
+                k[span.token_start : span.token_end],
+                v[span.token_start : span.token_end],
+            )
             mask, causal = None, True
         else:
             keys = self.workspace.gather(kv_cache[0], span.block_ids, 0)[: span.seq_len]
@@ -112,7 +145,11 @@ class TorchAttention(PythonBackend):
             key_pos = torch.arange(span.seq_len, device=q.device)
             mask, causal = key_pos <= (key_pos[-n:, None]), False
         out = F.scaled_dot_product_attention(
-            query, keys.to(q.dtype).transpose(0, 1).unsqueeze(0), values.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, enable_gqa=True,
+            query,
+            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)

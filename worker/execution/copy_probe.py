@@ -19,7 +19,9 @@ PROBE_BLOCKS = 16  # a few MB for a small model: well under a millisecond to ten
 REPEATS = 3
 
 
-def measure_copy_bandwidth(kv: KVCache, max_blocks: int = PROBE_BLOCKS, repeats: int = REPEATS) -> float:
+def measure_copy_bandwidth(
+    kv: KVCache, max_blocks: int = PROBE_BLOCKS, repeats: int = REPEATS
+) -> float:
     """Bytes per second of one direction (the best of `repeats` round trips)."""
     n = min(max_blocks, kv.num_blocks, kv.num_host_blocks or kv.num_blocks)
     pairs = tuple((i, i) for i in range(n))

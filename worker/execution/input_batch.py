@@ -94,7 +94,9 @@ class InputBatch:
 
     # ---- applying a plan ----------------------------------------------------------------
 
-    def apply(self, plan: SchedulerOutput, swap: Callable[[SwapPairs, SwapPairs], None]) -> list[tuple[RequestState, int]]:
+    def apply(
+        self, plan: SchedulerOutput, swap: Callable[[SwapPairs, SwapPairs], None]
+    ) -> list[tuple[RequestState, int]]:
         """Apply the plan's diffs in order: drop finished/aborted requests, take preempted
         ones out (keeping tokens and rng), `swap(out_pairs, in_pairs)`, add new requests,
         extend (or, on resume, replace) block tables. Returns the scheduled requests."""
@@ -128,7 +130,9 @@ class InputBatch:
             self.activate(state)
             return
         if state.row < 0:
-            raise PlanError(f"request {cached.req_id!r} is preempted but the plan does not resume it")
+            raise PlanError(
+                f"request {cached.req_id!r} is preempted but the plan does not resume it"
+            )
         if cached.num_computed_tokens != state.num_computed_tokens:
             raise PlanError(
                 f"request {cached.req_id!r}: plan says {cached.num_computed_tokens} computed tokens, "
@@ -197,7 +201,9 @@ class InputBatch:
     def set_blocks(self, state: RequestState, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < (self.num_blocks or 1 << 62)]
         if bad:
-            raise PlanError(f"request {state.req_id!r}: block ids {bad} outside [0, {self.num_blocks})")
+            raise PlanError(
+                f"request {state.req_id!r}: block ids {bad} outside [0, {self.num_blocks})"
+            )
         if len(block_ids) > self.block_table.shape[1]:
             raise PlanError(
                 f"request {state.req_id!r}: {len(block_ids)} blocks exceed the block table width {self.block_table.shape[1]}"
@@ -226,9 +232,13 @@ class InputBatch:
         self._check_known(scheduled, computed + counts)
         ends = np.cumsum(counts)
         req_of_token = np.repeat(np.arange(len(scheduled)), counts)
-        positions = computed[req_of_token] + np.arange(int(ends[-1])) - (ends - counts)[req_of_token]
+        positions = (
+            computed[req_of_token] + np.arange(int(ends[-1])) - (ends - counts)[req_of_token]
+        )
         blocks = self.block_table[rows[req_of_token], positions // self.block_size].astype(np.int64)
-        samples = [i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens]
+        samples = [
+            i for i, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == s.num_tokens
+        ]
         return StepInputs(
             input_ids=self.token_ids[rows[req_of_token], positions],
             positions=positions,

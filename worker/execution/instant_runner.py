@@ -65,7 +65,9 @@ class InstantRunner(PlanRunner):
     def run(self, step: StepInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
         tokens = [self._next_token(state) for state in step.sampling_states]
         logprobs = [
-            None if s.sampling_params.logprobs is None else _fake_logprobs(t, s.sampling_params.logprobs)
+            None
+            if s.sampling_params.logprobs is None
+            else _fake_logprobs(t, s.sampling_params.logprobs)
             for s, t in zip(step.sampling_states, tokens, strict=True)
         ]
         return tokens, logprobs

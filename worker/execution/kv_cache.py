@@ -18,7 +18,14 @@ GIB = 1 << 30
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for `block_size` tokens across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    return (
+        2
+        * config.num_hidden_layers
+        * block_size
+        * config.num_key_value_heads
+        * config.head_dim
+        * elem
+    )
 
 
 class KVCache:
@@ -29,15 +36,28 @@ class KVCache:
         device: torch.device, swap_space_gib: float = 0.0,
     ) -> None:
         if num_blocks < 1:
-            raise ValueError(f"the KV cache has room for no block of {block_size} tokens; give it more memory")
+            raise ValueError(
+                f"the KV cache has room for no block of {block_size} tokens; give it more memory"
+            )
         self.block_size = block_size
         self.block_bytes = bytes_per_block(config, block_size, dtype)
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (
+            config.num_hidden_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         # zeros, not empty: padded attention reads masked slots, and NaN garbage would leak through
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
         num_host = int(swap_space_gib * GIB) // self.block_bytes
         pin = device.type == "cuda"
-        self.host_cache = torch.zeros((*shape[:2], num_host, *shape[3:]), dtype=dtype, pin_memory=pin) if num_host else None
+        self.host_cache = (
+            torch.zeros((*shape[:2], num_host, *shape[3:]), dtype=dtype, pin_memory=pin)
+            if num_host
+            else None
+        )
 
     @property
     def num_blocks(self) -> int:

@@ -58,18 +58,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, quantization: str, backend: str) -> torch.dtype:
+def resolve_kv_dtype(
+    name: str, dtype: torch.dtype, device: torch.device, quantization: str, backend: str
+) -> torch.dtype:
     """The KV cache's element type. auto: float16 where the C++ CPU attention reads the cache
     for the GGUF kernel's float32 activations (a decode at long contexts reads its cache more
     than its weights: half the bytes measured ~0.66x the attention time, and float16 keeps 11
     bits, within the fast mode's accuracy gate); else the model's dtype, so the reference mode
     (float32, no quantization) stays exactly float32. On CUDA only the model's dtype."""
     if name == "auto":
-        fast_cpu = device.type == "cpu" and backend == "cpu" and quantization == "gguf" and dtype == torch.float32
+        fast_cpu = (
+            device.type == "cpu"
+            and backend == "cpu"
+            and quantization == "gguf"
+            and dtype == torch.float32
+        )
         return torch.float16 if fast_cpu else dtype
     wanted = DTYPES[name]
     if device.type != "cpu" and wanted != dtype:
-        raise ValueError(f"kv_cache_dtype={name}: on {device.type} the KV cache takes the model's dtype ({dtype})")
+        raise ValueError(
+            f"kv_cache_dtype={name}: on {device.type} the KV cache takes the model's dtype ({dtype})"
+        )
     return wanted
 
 
@@ -112,22 +121,35 @@ class ModelRunner(PlanRunner):
         self.dtype = self.kernels.dtype
         log.info("kernels: %s", self.kernels.describe())
         native = self.kernels.quantization != "none" and path.suffix == ".gguf"
-        model_config, weights = loaded if loaded is not None else load_weights(path, self.dtype, native)
+        model_config, weights = (
+            loaded if loaded is not None else load_weights(path, self.dtype, native)
+        )
         self.model_config = model_config
-        backend = make_attention_backend(config.attention_backend, self.device, config.block_size, self.dtype,
-                                         config.batch_invariant)
-        if config.batch_invariant and (self.kernels.quantization != "gguf" or backend.name != "cpu"):
+        backend = make_attention_backend(
+            config.attention_backend,
+            self.device,
+            config.block_size,
+            self.dtype,
+            config.batch_invariant,
+        )
+        if config.batch_invariant and (
+            self.kernels.quantization != "gguf" or backend.name != "cpu"
+        ):
             raise ValueError(
                 "batch-invariant mode needs the GGUF kernel (a GGUF model with Q4_0/Q4_1/Q8_0 weights, float32) and "
                 f"the C++ CPU attention; this worker chose quantization {self.kernels.quantization} and "
-                f"{backend.name} attention")
+                f"{backend.name} attention"
+            )
         self.gguf_activations = self._gguf_activations()
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device, self.kernels.quantization,
-                                         backend.name)
+        self.kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, self.dtype, self.device, self.kernels.quantization, backend.name
+        )
         self.model = self._build_model(weights)
         self.kv_cache = self._make_kv_cache()
         self.attention = StepAttention(backend, self.kv_cache.layers())
-        self.batch = InputBatch(self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks)
+        self.batch = InputBatch(
+            self.max_model_len, config.block_size, self.device, num_blocks=self.kv_cache.num_blocks
+        )
         self.executor = StepExecutor(self.batch, self)
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.forward, self.compiled, self.compile_note = self._forward()
@@ -138,13 +160,18 @@ class ModelRunner(PlanRunner):
         config = self.config
         if self.device.type != "cpu":
             if config.quantization not in ("auto", "none"):
-                raise ValueError(f"quantization={config.quantization} runs on CPU only (torch's CPU kernels)")
+                raise ValueError(
+                    f"quantization={config.quantization} runs on CPU only (torch's CPU kernels)"
+                )
             return KernelChoice(resolve_dtype(config.dtype, self.device), "none", None)
         if config.quantization == "gguf" and path.suffix != ".gguf":
             raise ValueError(f"quantization=gguf needs a GGUF model file, got {path}")
         native = gguf_native_kinds(path) if path.suffix == ".gguf" else set()
         linear_params = sum(
-            math.prod(shape) for name, shape in expected_shapes(model_config).items() if name.endswith("proj.weight"))
+            math.prod(shape)
+            for name, shape in expected_shapes(model_config).items()
+            if name.endswith("proj.weight")
+        )
         from worker.kernels.build import available
 
         return choose_kernels(model_config, config.dtype, config.quantization, native,
@@ -157,12 +184,18 @@ class ModelRunner(PlanRunner):
         if self.config.enforce_eager:
             return self.model.forward, False, "eager (--enforce-eager)"
         if self.device.type != "cpu":
-            return self.model.forward, False, "eager (the compiled forward is built for the CPU only)"
+            return (
+                self.model.forward,
+                False,
+                "eager (the compiled forward is built for the CPU only)",
+            )
         cut = self.kernels.dense_above
         widths = [w for w in (1, 2, None if cut is None else cut + 1) if w is not None]
         widths = [w for w in widths if cdiv(w, self.config.block_size) <= self.kv_cache.num_blocks]
         with torch.inference_mode():
-            result = compile_forward(self.model.forward, self.attention.compiled, self._dummy_forward, widths)
+            result = compile_forward(
+                self.model.forward, self.attention.compiled, self._dummy_forward, widths
+            )
         return result.forward, result.compiled, result.note
 
     def _dummy_forward(self, forward: Forward, tokens: int) -> None:
@@ -188,7 +221,9 @@ class ModelRunner(PlanRunner):
         if wanted == "float32":
             return wanted
         if int8_supported():
-            log.info("GGUF products: activations as two int8 levels per block, integer dot products")
+            log.info(
+                "GGUF products: activations as two int8 levels per block, integer dot products"
+            )
             return "int8"
         if wanted == "int8":
             raise ValueError("gguf_activations=int8 needs the CPU kernels built with AVX512-VNNI "
@@ -204,16 +239,27 @@ class ModelRunner(PlanRunner):
                 # norms and rope stay float32, as the float32 residual stream they act on
                 keep32 = name == "rope_freqs" or name.endswith("norm.weight")
                 weights[name] = w.to(self.device, torch.float32 if keep32 else self.dtype)
-        return LlamaForCausalLM(self.model_config, weights, self.max_model_len, form).to(self.device)
+        return LlamaForCausalLM(self.model_config, weights, self.max_model_len, form).to(
+            self.device
+        )
 
     def _make_kv_cache(self) -> KVCache:
         block_bytes = bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             peak = self._profile_peak_bytes()
-            blocks = num_gpu_blocks(self.device, self.config.gpu_memory_utilization, peak, block_bytes)
+            blocks = num_gpu_blocks(
+                self.device, self.config.gpu_memory_utilization, peak, block_bytes
+            )
         else:
             blocks = num_cpu_blocks(self.config.kv_cache_memory, block_bytes)
-        return KVCache(self.model_config, blocks, self.config.block_size, self.kv_dtype, self.device, self.config.swap_space)
+        return KVCache(
+            self.model_config,
+            blocks,
+            self.config.block_size,
+            self.kv_dtype,
+            self.device,
+            self.config.swap_space,
+        )
 
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
@@ -227,8 +273,12 @@ class ModelRunner(PlanRunner):
         batch.set_blocks(state, list(range(scratch.num_blocks)))
         torch.cuda.reset_peak_memory_stats(self.device)
         step = batch.prepare([(state, tokens)])
-        attention = StepAttention(self.attention.backend, scratch.layers()).bind(batch.attention_metadata(step))
-        hidden = self.model(batch.to_device(step.input_ids), batch.to_device(step.positions), attention)
+        attention = StepAttention(self.attention.backend, scratch.layers()).bind(
+            batch.attention_metadata(step)
+        )
+        hidden = self.model(
+            batch.to_device(step.input_ids), batch.to_device(step.positions), attention
+        )
         self.model.compute_logits(hidden[batch.to_device(step.logits_indices)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.device_cache.nbytes
@@ -260,7 +310,11 @@ class ModelRunner(PlanRunner):
             weight_bytes=self.model.weight_bytes,
             compiled=self.compiled,
             batch_invariant=self.config.batch_invariant,
-            extra={"forward": self.compile_note, "gguf_activations": self.gguf_activations, **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()}},
+            extra={
+                "forward": self.compile_note,
+                "gguf_activations": self.gguf_activations,
+                **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
+            },
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
         )
 

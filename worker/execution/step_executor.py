@@ -52,7 +52,9 @@ class StepExecutor:
         return ModelRunnerOutput(
             step_id=plan.step_id,
             sampled_token_ids={s.req_id: t for s, t in zip(states, tokens, strict=True)},
-            logprobs={s.req_id: lp for s, lp in zip(states, logprobs, strict=True) if lp is not None},
+            logprobs={
+                s.req_id: lp for s, lp in zip(states, logprobs, strict=True) if lp is not None
+            },
         )
 
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("paged_attention.cpp", "lowbit_linear.cpp", "int8_linear.cpp", "pool_threads.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "lowbit_linear.cpp", "int8_linear.cpp", "pool_threads.cpp")
+]
 # ATen's vector types (at::vec) per capability: the CPU flags each needs, and the compiler flags
 _CAPABILITIES = (
     ("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
@@ -82,11 +84,15 @@ def _register_fake() -> None:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("stepserve_cpu::lowbit_linear")
-    def _(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    def _(
+        x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
+    ) -> torch.Tensor:
         return x.new_empty(x.shape[0], d.shape[0])
 
     @torch.library.register_fake("stepserve_cpu::int8_linear")
-    def _(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    def _(
+        x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, n: int
+    ) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
 

@@ -49,13 +49,18 @@ def compiler_missing() -> str | None:
 def _configure_inductor() -> None:
     import torch._inductor.config as inductor
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "stepserve" / "inductor"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "stepserve" / "inductor")
+    )
     inductor.freezing = True  # weights become constants: prepacked once, not per call
     inductor.cpp_wrapper = True  # the graph's calls run from C++, not a Python wrapper
 
 
 def compile_forward(
-    eager: Forward, attend_compiled: Callable[..., torch.Tensor], warm_up: WarmUp, widths: list[int],
+    eager: Forward,
+    attend_compiled: Callable[..., torch.Tensor],
+    warm_up: WarmUp,
+    widths: list[int],
 ) -> CompileResult:
     """Compile `eager` and warm it at each of `widths` tokens (1 first); keep it if it is
     faster than `eager` at one token. `attend_compiled` is the attention the graph calls."""
@@ -68,7 +73,9 @@ def compile_forward(
     torch.compiler.set_stance("default")
     compiled_fn = torch.compile(eager, dynamic=None)
 
-    def compiled(input_ids: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def compiled(
+        input_ids: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
         return compiled_fn(input_ids, positions, attend_compiled)
 
     start = time.perf_counter()
@@ -77,7 +84,9 @@ def compile_forward(
             warm_up(compiled, width)
     except Exception as exc:  # an inductor or compiler failure: run eagerly, say why
         log.exception("torch.compile failed; running eagerly")
-        return CompileResult(eager, False, f"eager: compilation failed ({type(exc).__name__}: {str(exc)[:200]})")
+        return CompileResult(
+            eager, False, f"eager: compilation failed ({type(exc).__name__}: {str(exc)[:200]})"
+        )
     seconds = time.perf_counter() - start
     # Every graph this worker needs exists now, and nothing a guard checks changes between
     # steps except the token count (the weights are frozen, the attention op is fixed), so
@@ -87,7 +96,9 @@ def compile_forward(
     timing = f"1-token forward {compiled_ms:.2f} ms compiled vs {eager_ms:.2f} ms eager; compiled in {seconds:.0f} s"
     if compiled_ms >= eager_ms:
         torch.compiler.set_stance("default")
-        return CompileResult(eager, False, f"eager: the compiled forward is not faster here ({timing})")
+        return CompileResult(
+            eager, False, f"eager: the compiled forward is not faster here ({timing})"
+        )
     return CompileResult(compiled, True, f"compiled ({timing})")
 
 

@@ -80,7 +80,10 @@ def read_gguf_config(path: Path) -> tuple[ModelConfig, Any]:
     reader = _open_reader(path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     meta = read_metadata(reader)
-    if f"{meta.get('general.architecture')}.vocab_size" not in meta and "token_embd.weight" in shapes:
+    if (
+        f"{meta.get('general.architecture')}.vocab_size" not in meta
+        and "token_embd.weight" in shapes
+    ):
         meta[f"{meta.get('general.architecture')}.vocab_size"] = shapes["token_embd.weight"][0]
     return ModelConfig.from_gguf_metadata(meta, set(shapes), path), reader
 
@@ -106,7 +109,9 @@ def read_gguf_tensors(
         heads = _rope_heads(config, name) if permute else None
         if native and kind in NATIVE_GGML_TYPES:
             quantized = from_gguf(kind, tensor.data, *shape)
-            weights[name] = quantized if heads is None else quantized.rows(unpermute_index(shape[0], heads))
+            weights[name] = (
+                quantized if heads is None else quantized.rows(unpermute_index(shape[0], heads))
+            )
             continue
         array = _dequantized(tensor, shape)
         if heads is not None:

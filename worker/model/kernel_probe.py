@@ -50,7 +50,11 @@ class KernelChoice:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in self.timings_ms.items())
-        cut = "" if self.dense_above is None else f", int4 -> dense bf16 above {self.dense_above} tokens"
+        cut = (
+            ""
+            if self.dense_above is None
+            else f", int4 -> dense bf16 above {self.dense_above} tokens"
+        )
         return f"dtype {str(self.dtype).removeprefix('torch.')}, quantization {self.quantization}{cut} (ms: {parts})"
 
 
@@ -90,11 +94,20 @@ class _Probe:
 
             if form in ("float32", "bfloat16"):
                 dtype = getattr(torch, form)
-                made = [make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)]
+                made = [
+                    make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)
+                ]
             else:  # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
                 kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
-                q = quantize_int8(self.weight, 32 if gguf else None) if kind == "int8" else quantize_int4(self.weight)
-                made = [make_linear(q, torch.float32 if gguf else torch.bfloat16) for _ in range(self.copies)]
+                q = (
+                    quantize_int8(self.weight, 32 if gguf else None)
+                    if kind == "int8"
+                    else quantize_int4(self.weight)
+                )
+                made = [
+                    make_linear(q, torch.float32 if gguf else torch.bfloat16)
+                    for _ in range(self.copies)
+                ]
             self._layers[form] = made  # type: ignore[assignment]
         return self._layers[form]
 
@@ -102,7 +115,9 @@ class _Probe:
         """Milliseconds of one matmul of `tokens` rows in `form` (weights from memory)."""
         key = f"{form}@{tokens}"
         if key not in self.timings:
-            dtype = torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
+            dtype = (
+                torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
+            )
             x = torch.randn(tokens, self.k).to(dtype)
             layers = self.layers(form)
 
@@ -142,7 +157,9 @@ def choose_kernels(
         # token. The bfloat16 forms are never chosen for it: they miss the accuracy gate
         # (tests/worker/test_fast_mode.py; 96-98 % top-1 agreement on SmolLM2).
         eligible = bool(native_kinds) and gguf_kernels and dtype in ("auto", "float32")
-        if eligible and all(probe.ms(f"gguf-{kind}", 1) < probe.ms("float32", 1) for kind in native_kinds):
+        if eligible and all(
+            probe.ms(f"gguf-{kind}", 1) < probe.ms("float32", 1) for kind in native_kinds
+        ):
             quantization = "gguf"
         if native_kinds and dtype == "auto":
             dtype = "float32"

@@ -40,7 +40,11 @@ class DenseLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         # an existing Parameter (a tied embedding's table) is shared, not wrapped again
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.weight = (
+            weight
+            if isinstance(weight, nn.Parameter)
+            else nn.Parameter(weight, requires_grad=False)
+        )
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
@@ -54,16 +58,24 @@ class DenseLinear(nn.Module):
 class Int8Linear(nn.Module):
     """Weight-only int8: y = (x q^T) * scale + b, with q [N, K] int8 and one scale per row."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         _buffer(self, "qweight", qweight)
         _buffer(self, "scales", scales)
         _buffer(self, "bias", bias)
 
     @classmethod
-    def from_quantized(cls, weight: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_quantized(
+        cls, weight: QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> Int8Linear:
         row = per_row_int8(weight)
-        return cls(row.q.to(torch.int8).contiguous(), row.scale[:, 0].to(dtype), None if bias is None else bias.to(dtype))
+        return cls(
+            row.q.to(torch.int8).contiguous(),
+            row.scale[:, 0].to(dtype),
+            None if bias is None else bias.to(dtype),
+        )
 
     @property
     def out_features(self) -> int:
@@ -94,9 +106,13 @@ class Int4Linear(nn.Module):
             q = F.pad(q, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
         self.n, self.group_size, self.dense_above = n, weight.group_size, dense_above
-        _buffer(self, "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
+        _buffer(
+            self, "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        )
         # [K / group, N, 2]: the kernel's layout of (scale, zero) per group and column
-        _buffer(self, "scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        _buffer(
+            self, "scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        )
         _buffer(self, "bias", None if bias is None else bias.to(dtype))
         _buffer(self, "dense", None if dense_above is None else weight.dequantize(dtype))
 
@@ -105,9 +121,15 @@ class Int4Linear(nn.Module):
         return self.n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and self.dense_above is not None and x.shape[0] > self.dense_above:
+        if (
+            self.dense is not None
+            and self.dense_above is not None
+            and x.shape[0] > self.dense_above
+        ):
             return F.linear(x, self.dense, self.bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scales_zeros
+        )
         if y.shape[-1] != self.n:
             y = y[..., : self.n]
         return y if self.bias is None else y + self.bias
@@ -138,18 +160,33 @@ class GGUFLinear(nn.Module):
         """The tiled form where `int8_activations`, the CPU runs it and the scales are exact
         in float16 (GGUF stores them so); else the stored form."""
         if weight.group_size != GGUF_GROUP:
-            raise ValueError(f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}")
+            raise ValueError(
+                f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}"
+            )
         b = None if bias is None else bias.float()
         if int8_activations and (layer := cls.tiled_from(weight, b)) is not None:
             return layer
         if weight.kind == "int8":
-            return cls(weight.q.to(torch.int8).view(torch.uint8).contiguous(), weight.scale.float().contiguous(),
-                       torch.empty(0), 8, b)
+            return cls(
+                weight.q.to(torch.int8).view(torch.uint8).contiguous(),
+                weight.scale.float().contiguous(),
+                torch.empty(0),
+                8,
+                b,
+            )
         assert weight.offset is not None
-        return cls(pack_nibbles(weight.q), weight.scale.float().contiguous(), weight.offset.float().contiguous(), 4, b)
+        return cls(
+            pack_nibbles(weight.q),
+            weight.scale.float().contiguous(),
+            weight.offset.float().contiguous(),
+            4,
+            b,
+        )
 
     @classmethod
-    def tiled_from(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> GGUFLinear | None:
+    def tiled_from(
+        cls, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> GGUFLinear | None:
         """The tiled form where the CPU runs it and the scales are exact in float16; else None."""
         tiled = tile_gguf(weight) if int8_supported() else None
         if tiled is None:
@@ -162,9 +199,13 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled:
-            y = torch.ops.stepserve_cpu.int8_linear(x, self.codes, self.scales, self.offsets, self.bits, self.n)
+            y = torch.ops.stepserve_cpu.int8_linear(
+                x, self.codes, self.scales, self.offsets, self.bits, self.n
+            )
         else:
-            y = torch.ops.stepserve_cpu.lowbit_linear(x, self.codes, self.scales, self.offsets, self.bits)
+            y = torch.ops.stepserve_cpu.lowbit_linear(
+                x, self.codes, self.scales, self.offsets, self.bits
+            )
         return y if self.bias is None else y + self.bias
 
 
@@ -192,11 +233,17 @@ def tile_gguf(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
     if weight.kind == "int8":  # vector p of a block: byte 4r + i = code 4p + i of row r, as q + 128
         codes = (F.pad(weight.q.to(torch.int16), (0, 0, 0, pad)) + 128).to(torch.uint8)
-        codes = codes.view(tiles, _TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+        codes = (
+            codes.view(tiles, _TILE, groups, 8, 4)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(tiles, groups, 512)
+        )
         return codes.contiguous(), by_tile(halves[0]), torch.empty(0, dtype=torch.float16)
     # vector j: quad j in the low nibbles, quad j + 4 in the high ones
     q = F.pad(weight.q.to(torch.uint8), (0, 0, 0, pad)).view(tiles, _TILE, groups, 2, 4, 4)
-    codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    codes = (
+        (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    )
     return codes.contiguous(), by_tile(halves[0]), by_tile(halves[1])
 
 
@@ -233,12 +280,20 @@ class Embedding(nn.Module):
     def __init__(self, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight: nn.Parameter | None = None
-        self.quantized = table if isinstance(table, QuantizedWeight) and table.kind == "int8" else None
+        self.quantized = (
+            table if isinstance(table, QuantizedWeight) and table.kind == "int8" else None
+        )
         if self.quantized is not None:
             _buffer(self, "qweight", self.quantized.q.to(torch.int8).contiguous())
-            _buffer(self, "scales", self.quantized.scale.to(torch.float32 if dtype == torch.float32 else dtype))
+            _buffer(
+                self,
+                "scales",
+                self.quantized.scale.to(torch.float32 if dtype == torch.float32 else dtype),
+            )
         else:
-            dense = table.dequantize(dtype) if isinstance(table, QuantizedWeight) else table.to(dtype)
+            dense = (
+                table.dequantize(dtype) if isinstance(table, QuantizedWeight) else table.to(dtype)
+            )
             self.weight = nn.Parameter(dense, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -246,7 +301,9 @@ class Embedding(nn.Module):
             return F.embedding(ids, self.weight)
         rows = F.embedding(ids, self.qweight).to(self.scales.dtype)
         groups = self.scales.shape[1]
-        return (rows.view(ids.shape[0], groups, -1) * self.scales[ids][..., None]).view(ids.shape[0], -1)
+        return (rows.view(ids.shape[0], groups, -1) * self.scales[ids][..., None]).view(
+            ids.shape[0], -1
+        )
 
     def tied_head(self, dtype: torch.dtype, int8_activations: bool = True) -> Linear:
         """The LM head that shares this table (tied word embeddings), without a copy except

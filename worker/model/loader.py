@@ -84,7 +84,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_weights(config: ModelConfig, weights: dict[str, Weight], path: Path) -> dict[str, Weight]:
+def validate_weights(
+    config: ModelConfig, weights: dict[str, Weight], path: Path
+) -> dict[str, Weight]:
     """Keep exactly the expected tensors (plus `rope_freqs`); raise on missing or misshapen."""
     out: dict[str, Weight] = {}
     for name, shape in expected_shapes(config).items():
@@ -97,7 +99,9 @@ def validate_weights(config: ModelConfig, weights: dict[str, Weight], path: Path
         out[name] = weights[name]
     if "rope_freqs" in weights:
         if tuple(weights["rope_freqs"].shape) != (config.head_dim // 2,):
-            raise ModelLoadError(f"{path}: tensor rope_freqs has shape {list(weights['rope_freqs'].shape)}")
+            raise ModelLoadError(
+                f"{path}: tensor rope_freqs has shape {list(weights['rope_freqs'].shape)}"
+            )
         out["rope_freqs"] = as_dense(weights["rope_freqs"]).float()
     return out
 

@@ -70,8 +70,13 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
         raise ValueError("cannot fuse weights quantized differently")
     offset = None if first.offset is None else torch.cat([p.offset for p in parts])  # type: ignore[misc]
-    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           offset, first.group_size)
+    return QuantizedWeight(
+        first.kind,
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        offset,
+        first.group_size,
+    )
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
@@ -151,4 +156,6 @@ def from_gguf(kind_name: str, data: np.ndarray, n: int, k: int) -> QuantizedWeig
         d = _f16(b[..., 0:2])
         codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k))
         return QuantizedWeight("int8", codes, d, None, GGUF_GROUP)
-    raise ValueError(f"GGML type {kind_name} has no native low-bit form here (Q4_0, Q4_1 and Q8_0 do)")
+    raise ValueError(
+        f"GGML type {kind_name} has no native low-bit form here (Q4_0, Q4_1 and Q8_0 do)"
+    )

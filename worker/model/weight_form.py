@@ -45,10 +45,16 @@ class WeightForm:
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        need = {"gguf": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}.get(self.quantization)
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        need = {"gguf": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}.get(
+            self.quantization
+        )
         if need is not None and self.dtype != need:
-            raise ValueError(f"quantization={self.quantization} runs with {str(need)[6:]} activations, got {self.dtype}")
+            raise ValueError(
+                f"quantization={self.quantization} runs with {str(need)[6:]} activations, got {self.dtype}"
+            )
 
     def prepare(self, weight: Weight) -> Weight:
         """One linear weight in this form, before fusion and packing."""
@@ -59,7 +65,9 @@ class WeightForm:
         return quantize(weight, self.quantization)
 
     def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
-        return make_linear(self.prepare(weight), self.dtype, bias, self.dense_above, self.int8_activations)
+        return make_linear(
+            self.prepare(weight), self.dtype, bias, self.dense_above, self.int8_activations
+        )
 
     def fused(self, parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
         """One layer for weights stacked along their outputs (q/k/v, gate/up)."""
@@ -67,7 +75,9 @@ class WeightForm:
         kinds = {p.kind if isinstance(p, QuantizedWeight) else "dense" for p in prepared}
         if kinds == {"dense"}:
             return make_linear(torch.cat([p.to(self.dtype) for p in prepared]), self.dtype, bias)  # type: ignore[union-attr]
-        if len(kinds) > 1:  # a file that mixes types within one fused layer: int8 (blocks of 32) loses least
+        if (
+            len(kinds) > 1
+        ):  # a file that mixes types within one fused layer: int8 (blocks of 32) loses least
             prepared = [quantize_int8(as_dense(p), GGUF_GROUP) for p in prepared]
         return make_linear(concat_rows(prepared), self.dtype, bias, self.dense_above,  # type: ignore[arg-type]
                            self.int8_activations)
@@ -80,7 +90,9 @@ class WeightForm:
             return Embedding(table if keep else as_dense(table), self.dtype)
         return Embedding(quantize(table, "int8"), self.dtype)
 
-    def head(self, embedding: Embedding, head_weight: Weight | None, embed_weight: Weight) -> Linear:
+    def head(
+        self, embedding: Embedding, head_weight: Weight | None, embed_weight: Weight
+    ) -> Linear:
         """The LM head: its own weight; or, tied, the embedding's table, shared with the
         embedding unless this form holds the head in int4 (the embedding cannot be int4)."""
         if head_weight is not None:

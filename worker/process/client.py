@@ -240,4 +240,6 @@ class WorkerClient:
         if process is None:
             return "worker process not started"
         code = process.exitcode
-        return f"worker process {process.pid} died (exit code {'unknown' if code is None else code})"
+        return (
+            f"worker process {process.pid} died (exit code {'unknown' if code is None else code})"
+        )

@@ -66,8 +66,11 @@ def log_watchdog_changes(logger: logging.Logger, interval: float = 1.0) -> threa
             time.sleep(interval)
             now = watchdog_stats()
             if now["demotions"] != seen["demotions"]:
-                logger.info("worker helper threads starved: SCHED_OTHER (%d times so far, back to SCHED_IDLE %d)",
-                            now["demotions"], now["restores"])
+                logger.info(
+                    "worker helper threads starved: SCHED_OTHER (%d times so far, back to SCHED_IDLE %d)",
+                    now["demotions"],
+                    now["restores"],
+                )
             seen = now
 
     thread = threading.Thread(target=run, name="helper-watchdog-log", daemon=True)
@@ -99,14 +102,18 @@ def can_leave_idle() -> bool:
 def apply_helper_cpu_scheduling(name: str) -> str:
     """Set `name` on the intra-op helpers; returns what was done, for the log."""
     if name not in HELPER_CPU_SCHEDULING:
-        raise ValueError(f"worker helper policy must be one of {HELPER_CPU_SCHEDULING}, got {name!r}")
+        raise ValueError(
+            f"worker helper policy must be one of {HELPER_CPU_SCHEDULING}, got {name!r}"
+        )
     if name == "normal":
         return "worker helper threads: SCHED_OTHER"
     if not (sys.platform.startswith("linux") and hasattr(os, "SCHED_IDLE")):
         return f"worker helper threads left as they are ({sys.platform} has no SCHED_IDLE)"
     if name == "auto" and not can_leave_idle():
-        return ("worker helper threads: SCHED_OTHER (auto needs to move them back from SCHED_IDLE, which this "
-                "process may not: CAP_SYS_NICE or RLIMIT_NICE >= 20)")
+        return (
+            "worker helper threads: SCHED_OTHER (auto needs to move them back from SCHED_IDLE, which this "
+            "process may not: CAP_SYS_NICE or RLIMIT_NICE >= 20)"
+        )
     helpers = intra_op_helpers()
     if not helpers:
         return "worker helper threads left as they are (one intra-op thread, or no C++ kernels to find them)"
@@ -119,7 +126,11 @@ def apply_helper_cpu_scheduling(name: str) -> str:
     if failed:
         return f"worker helper threads: SCHED_IDLE not set on {len(failed)} of {len(helpers)} ({failed[0]})"
     if name == "auto":
-        torch.ops.stepserve_cpu.helper_watchdog_start(helpers, WATCHDOG_PERIOD_US, WATCHDOG_STARVED, WATCHDOG_HOLD_MS)
-        return (f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER while starved "
-                f"(watchdog every {WATCHDOG_PERIOD_US / 1000:g} ms)")
+        torch.ops.stepserve_cpu.helper_watchdog_start(
+            helpers, WATCHDOG_PERIOD_US, WATCHDOG_STARVED, WATCHDOG_HOLD_MS
+        )
+        return (
+            f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER while starved "
+            f"(watchdog every {WATCHDOG_PERIOD_US / 1000:g} ms)"
+        )
     return f"worker helper threads: SCHED_IDLE on {len(helpers)} (only for a machine without busy neighbours)"

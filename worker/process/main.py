@@ -83,7 +83,9 @@ def worker_main(
     inbox = _start_inbox(conn)  # started first: it watches the parent during a long load
     runner = _build_runner(conn, config, runner_factory)
     if runner is not None:
-        if config.helper_cpu_scheduling != "normal":  # after start-up: the warm-up has started the pool
+        if (
+            config.helper_cpu_scheduling != "normal"
+        ):  # after start-up: the warm-up has started the pool
             from worker.process.cpu_scheduling import (
                 apply_helper_cpu_scheduling,
                 log_watchdog_changes,
@@ -132,7 +134,9 @@ def _start_inbox(conn: Connection) -> queue.SimpleQueue[Message]:
     return inbox
 
 
-def _read_inbox(conn: Connection, inbox: queue.SimpleQueue[Message], parent_pid: int | None) -> None:
+def _read_inbox(
+    conn: Connection, inbox: queue.SimpleQueue[Message], parent_pid: int | None
+) -> None:
     """Move messages from the pipe to `inbox`; leave the process when the parent is gone."""
     while True:
         try:
