@@ -103,15 +103,18 @@ class SchedulerConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                f"{self.scheduling_policy!r}"
             )
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(
-                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}"
+                "preemption_mode must be 'recompute', 'swap' or 'auto', got "
+                f"{self.preemption_mode!r}"
             )
         if self.victim_policy is not None and self.victim_policy not in VICTIM_POLICIES:
             raise ValueError(
-                f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim_policy!r}"
+                f"victim_policy must be one of {', '.join(VICTIM_POLICIES)}, got "
+                f"{self.victim_policy!r}"
             )
         self._check_policy_fields()
         if self.preemption_mode in ("swap", "auto") and self.num_cpu_blocks == 0:
@@ -122,14 +125,16 @@ class SchedulerConfig:
             raise ValueError(f"aging_period must be > 0 seconds, got {self.aging_period}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+                "long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}"
             )
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could never run"
+                f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could "
+                "never run"
             )
         if self.priority_preemption_threshold is not None and self.scheduling_policy != "priority":
             raise ValueError("priority_preemption_threshold needs scheduling_policy='priority'")
@@ -138,7 +143,8 @@ class SchedulerConfig:
             and self.priority_preemption_threshold < 1
         ):
             raise ValueError(
-                f"priority_preemption_threshold must be >= 1, got {self.priority_preemption_threshold}"
+                "priority_preemption_threshold must be >= 1, got "
+                f"{self.priority_preemption_threshold}"
             )
         for name in ("kv_bytes_per_token", "flops_per_token", "swap_bandwidth", "compute_rate"):
             if getattr(self, name) <= 0:
@@ -168,7 +174,8 @@ class SchedulerConfig:
     def _check_policy_fields(self) -> None:
         if self.output_len_predictor not in PREDICTORS:
             raise ValueError(
-                f"output_len_predictor must be one of {', '.join(PREDICTORS)}, got {self.output_len_predictor!r}"
+                f"output_len_predictor must be one of {', '.join(PREDICTORS)}, got "
+                f"{self.output_len_predictor!r}"
             )
         if not self.sjf_aging_rate > 0:
             raise ValueError(

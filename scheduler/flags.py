@@ -75,14 +75,16 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--max-num-batched-tokens",
         type=POSITIVE_INT,
         default=None,
-        help=f"token budget of one step (default {d.max_num_batched_tokens}; with chunked prefill off, "
+        help=f"token budget of one step (default {d.max_num_batched_tokens}; with chunked prefill "
+             "off, "
         "at least the max model length)",
     )
     g.add_argument(
         "--max-step-ms",
         type=NON_NEGATIVE,
         default=d.max_step_ms,
-        help="step-time budget: while requests decode, prefill chunks shrink so that a step's time, "
+        help="step-time budget: while requests decode, prefill chunks shrink so that a step's "
+             "time, "
         "as predicted by a cost model fitted online, stays within this many ms; 0: off. Needs "
         "chunked prefill (default %(default)g)",
     )
@@ -100,7 +102,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--max-model-len",
         type=POSITIVE_INT,
         default=None,
-        help="context length (serve: the model's, capped at 8192 and at the KV cache; simulate: the "
+        help="context length (serve: the model's, capped at 8192 and at the KV cache; simulate: "
+             "the "
         "workload's longest prompt + output)",
     )
     g.add_argument("--block-size", type=POSITIVE_INT, default=d.block_size,
@@ -140,8 +143,10 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=d.scheduling_policy,
-        help="waiting-queue order: fcfs; priority (the request's priority field, aged); sjf (shortest "
-        "predicted work first, aged); fair (Virtual Token Counter per `user`) (default %(default)s)",
+        help="waiting-queue order: fcfs; priority (the request's priority field, aged); sjf "
+             "(shortest "
+        "predicted work first, aged); fair (Virtual Token Counter per `user`) (default "
+        "%(default)s)",
     )
     g.add_argument(
         "--victim-policy",
@@ -154,13 +159,15 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
         "--aging-period",
         type=POSITIVE,
         default=d.aging_period,
-        help="priority: seconds of waiting that raise a request one priority level (default %(default)s)",
+        help="priority: seconds of waiting that raise a request one priority level (default "
+             "%(default)s)",
     )
     g.add_argument(
         "--priority-preemption-threshold",
         type=POSITIVE_INT,
         default=d.priority_preemption_threshold,
-        help="priority: a waiting request preempts the least urgent running one when it is at least "
+        help="priority: a waiting request preempts the least urgent running one when it is at "
+             "least "
         "this many levels more urgent (default: never)",
     )
     g.add_argument(

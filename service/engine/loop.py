@@ -114,7 +114,8 @@ class AsyncEngine:
         limit = self.max_waiting_requests
         if limit is not None and self._stats.num_waiting + len(self._new) + count > limit:
             raise EngineOverloadedError(
-                f"too many waiting requests ({self._stats.num_waiting + len(self._new)}, limit {limit}); retry later"
+                f"too many waiting requests ({self._stats.num_waiting + len(self._new)}, limit "
+                f"{limit}); retry later"
             )
 
     def submit(

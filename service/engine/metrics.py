@@ -314,8 +314,8 @@ class ServiceMetrics:
 def observe_all(histogram: Histogram, values: list[float]) -> None:
     """``for v in values: histogram.observe(v)`` in one pass: a bucket count and the sum are
     added once each. It reaches into prometheus_client's Histogram child (`_upper_bounds`,
-    `_buckets`, `_sum`, as its own `observe` does); tests/service/test_output_processor.py checks the
-    result against `observe` one value at a time."""
+    `_buckets`, `_sum`, as its own `observe` does); tests/service/test_output_processor.py checks
+    the result against `observe` one value at a time."""
     bounds = histogram._upper_bounds  # sorted, ending with +Inf
     counts = [0] * len(bounds)
     for value in values:

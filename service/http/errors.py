@@ -91,7 +91,8 @@ def unsupported_media_type(content_type: str) -> APIError:
     """A 415 for a JSON route given another Content-Type."""
     return APIError(
         415,
-        f"request body must be JSON (Content-Type: application/json), got Content-Type {content_type!r}",
+        "request body must be JSON (Content-Type: application/json), got Content-Type "
+        f"{content_type!r}",
         code="unsupported_media_type",
     )
 

@@ -1,7 +1,7 @@
 """`ModelRunner`: loads the model and KV cache, and executes step plans as diffs.
 
-Plans are applied by `worker.execution.step_executor` (the one plan consumer); this runner is the model
-behind it: swaps between the KV cache and its host pool, then one forward over the flattened
+Plans are applied by `worker.execution.step_executor` (the one plan consumer); this runner is
+the model behind it: swaps between the KV cache and its host pool, then one forward over the flattened
 batch, logits for the requests whose chunk reaches their last known token, and the sampler.
 """
 
@@ -77,7 +77,8 @@ def resolve_kv_dtype(
     wanted = DTYPES[name]
     if device.type != "cpu" and wanted != dtype:
         raise ValueError(
-            f"kv_cache_dtype={name}: on {device.type} the KV cache takes the model's dtype ({dtype})"
+            f"kv_cache_dtype={name}: on {device.type} the KV cache takes the model's dtype "
+            f"({dtype})"
         )
     return wanted
 
@@ -136,8 +137,10 @@ class ModelRunner(PlanRunner):
             self.kernels.quantization != "gguf" or backend.name != "cpu"
         ):
             raise ValueError(
-                "batch-invariant mode needs the GGUF kernel (a GGUF model with Q4_0/Q4_1/Q8_0 weights, float32) and "
-                f"the C++ CPU attention; this worker chose quantization {self.kernels.quantization} and "
+                "batch-invariant mode needs the GGUF kernel (a GGUF model with Q4_0/Q4_1/Q8_0 "
+                "weights, float32) and "
+                "the C++ CPU attention; this worker chose quantization "
+                f"{self.kernels.quantization} and "
                 f"{backend.name} attention"
             )
         self.gguf_activations = self._gguf_activations()
@@ -323,7 +326,7 @@ class ModelRunner(PlanRunner):
         """`PlanRunner.execute` with autograd off (no version counters, no graph)."""
         return self.executor.execute(plan)
 
-    # ---- the StepModel side (worker.execution.step_executor) ------------------------------------------
+    # ---- the StepModel side (worker.execution.step_executor) ------------------------------
 
     def swap(self, swap_out: SwapPairs, swap_in: SwapPairs) -> None:
         self.kv_cache.swap_out(swap_out)

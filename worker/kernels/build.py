@@ -1,9 +1,13 @@
 """stepserve's C++ CPU kernels (`csrc/`): built on the machine at first use, loaded once.
 
-    csrc/paged_attention.cpp   attention reading the paged KV cache in place (worker.attention.cpu_backend)
-    csrc/lowbit_linear.cpp     GGUF Q4 / Q8 blocks as stored times float32 activations (worker.model.linear.GGUFLinear)
-    csrc/int8_linear.cpp       GGUF Q4 / Q8 blocks re-laid in tiles times activations quantized to two
-                               int8 levels, with integer dot products (AVX512-VNNI CPUs only)
+    csrc/paged_attention.cpp  attention reading the paged KV cache in place
+                              (worker.attention.cpu_backend)
+    csrc/lowbit_linear.cpp    GGUF Q4 / Q8 blocks as stored times float32 activations
+                              (worker.model.linear.GGUFLinear)
+    csrc/int8_linear.cpp      GGUF Q4 / Q8 blocks re-laid in tiles times activations quantized
+                              to two int8 levels, integer dot products (AVX512-VNNI CPUs only)
+    csrc/pool_threads.cpp     the OpenMP helper threads' ids and the starvation watchdog
+                              (worker.process.cpu_scheduling)
 
 torch has neither for the CPU. They are compiled once per machine with the compiler torch's
 extensions use, into torch's extension cache (`TORCH_EXTENSIONS_DIR`), with the vector

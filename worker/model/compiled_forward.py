@@ -93,7 +93,10 @@ def compile_forward(
     # dynamo need only evaluate the guards that tell its graphs apart: 0.4 ms a step saved.
     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     eager_ms, compiled_ms = (_one_token_ms(fn, warm_up) for fn in (eager, compiled))
-    timing = f"1-token forward {compiled_ms:.2f} ms compiled vs {eager_ms:.2f} ms eager; compiled in {seconds:.0f} s"
+    timing = (
+        f"1-token forward {compiled_ms:.2f} ms compiled vs {eager_ms:.2f} ms eager; "
+        f"compiled in {seconds:.0f} s"
+    )
     if compiled_ms >= eager_ms:
         torch.compiler.set_stance("default")
         return CompileResult(

@@ -21,7 +21,7 @@ from worker.model.quant import QuantizedWeight, from_gguf
 
 # GGUF tensor kinds we can dequantize (gguf.quants handles each in numpy).
 SUPPORTED_GGML_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-# Kept as low-bit codes under --quantization gguf (worker.model.quant maps each onto a torch kernel).
+# Kept as low-bit codes under --quantization gguf (worker.model.quant maps each onto a kernel).
 NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 _GLOBAL_NAMES = {

@@ -55,7 +55,8 @@ class KernelChoice:
             if self.dense_above is None
             else f", int4 -> dense bf16 above {self.dense_above} tokens"
         )
-        return f"dtype {str(self.dtype).removeprefix('torch.')}, quantization {self.quantization}{cut} (ms: {parts})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"dtype {dtype}, quantization {self.quantization}{cut} (ms: {parts})"
 
 
 def median_ms(fn: Callable[[], object], repeat: int = 7) -> float:

@@ -161,7 +161,8 @@ class GGUFLinear(nn.Module):
         in float16 (GGUF stores them so); else the stored form."""
         if weight.group_size != GGUF_GROUP:
             raise ValueError(
-                f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of {weight.group_size}"
+                f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of "
+                f"{weight.group_size}"
             )
         b = None if bias is None else bias.float()
         if int8_activations and (layer := cls.tiled_from(weight, b)) is not None:
@@ -248,7 +249,8 @@ def tile_gguf(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [N, K] as GGUF stores them: per block of 32, byte j = value j | value j+16 << 4."""
+    """Codes 0..15 [N, K] as GGUF stores them: per block of 32, byte j holds value j in its
+    low nibble and value j+16 in its high nibble."""
     n, k = q.shape
     blocks = q.to(torch.uint8).view(n, k // GGUF_GROUP, GGUF_GROUP)
     return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()

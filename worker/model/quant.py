@@ -6,8 +6,8 @@ Two forms, groupwise along K (g = k // group_size):
     int8: w[n, k] = q[n, k] * scale[n, g]                          q in -127..127
 
 GGUF blocks map onto them exactly, with group 32: Q4_0 (w = d * (q - 8)): scale = d,
-offset = -8d; Q4_1 (w = d * q + m): scale = d, offset = m; Q8_0 (w = d * q): scale = d. Kernels that need
-another grouping get it from `per_row_int8` (torch's int8 kernel has one scale per row).
+offset = -8d; Q4_1 (w = d * q + m): scale = d, offset = m; Q8_0 (w = d * q): scale = d. Kernels
+that need another grouping get it from `per_row_int8` (torch's int8 kernel has one scale per row).
 
 A `QuantizedWeight` stays unpacked (plain [N, K] codes and float32 scales) so the model can
 fuse q/k/v and gate/up by concatenating rows, and undo llama.cpp's rope row permutation,

@@ -1,12 +1,12 @@
 """`WeightForm`: the form every weight of the model takes (dtype and quantization), in one place.
 
-    quantization   dtype     linear layers                        embedding      LM head
-    none           any       dense in dtype                       dense          dense (tied: shared)
-    gguf           float32   the file's Q4_0/Q4_1/Q8_0 blocks     Q8_0 blocks    the file's form
-                             (stepserve's kernels: tiled, int8    or dense       (tied: shared, or
-                             activations where AVX512-VNNI)                      a tiled copy)
-    int8           bfloat16  int8 per row (torch's kernel)        int8           int8 (tied: shared)
-    int4           bfloat16  int4 group 32 (torch's kernel)       int8           int4
+    quantization  dtype     linear layers                       embedding     LM head
+    none          any       dense in dtype                      dense         dense (tied: shared)
+    gguf          float32   the file's Q4_0/Q4_1/Q8_0 blocks    Q8_0 blocks   the file's form
+                            (stepserve's kernels: tiled, int8   or dense      (tied: shared, or
+                            activations where AVX512-VNNI)                    a tiled copy)
+    int8          bfloat16  int8 per row (torch's kernel)       int8          int8 (tied: shared)
+    int4          bfloat16  int4 group 32 (torch's kernel)      int8          int4
 
 The layers built here are `worker.model.linear`'s; fused q/k/v and gate/up are concatenated before
 packing, in their common form.
@@ -53,7 +53,8 @@ class WeightForm:
         )
         if need is not None and self.dtype != need:
             raise ValueError(
-                f"quantization={self.quantization} runs with {str(need)[6:]} activations, got {self.dtype}"
+                f"quantization={self.quantization} runs with {str(need)[6:]} activations, got "
+                f"{self.dtype}"
             )
 
     def prepare(self, weight: Weight) -> Weight:

@@ -67,7 +67,8 @@ def log_watchdog_changes(logger: logging.Logger, interval: float = 1.0) -> threa
             now = watchdog_stats()
             if now["demotions"] != seen["demotions"]:
                 logger.info(
-                    "worker helper threads starved: SCHED_OTHER (%d times so far, back to SCHED_IDLE %d)",
+                    "worker helper threads starved: SCHED_OTHER (%d times so far, back to "
+                    "SCHED_IDLE %d)",
                     now["demotions"],
                     now["restores"],
                 )
@@ -111,12 +112,16 @@ def apply_helper_cpu_scheduling(name: str) -> str:
         return f"worker helper threads left as they are ({sys.platform} has no SCHED_IDLE)"
     if name == "auto" and not can_leave_idle():
         return (
-            "worker helper threads: SCHED_OTHER (auto needs to move them back from SCHED_IDLE, which this "
+            "worker helper threads: SCHED_OTHER (auto needs to move them back from SCHED_IDLE, "
+            "which this "
             "process may not: CAP_SYS_NICE or RLIMIT_NICE >= 20)"
         )
     helpers = intra_op_helpers()
     if not helpers:
-        return "worker helper threads left as they are (one intra-op thread, or no C++ kernels to find them)"
+        return (
+            "worker helper threads left as they are "
+            "(one intra-op thread, or no C++ kernels to find them)"
+        )
     failed = []
     for tid in helpers:
         try:
@@ -124,13 +129,20 @@ def apply_helper_cpu_scheduling(name: str) -> str:
         except OSError as exc:  # refused (a sandbox's seccomp), or a thread that ended
             failed.append(f"{tid}: {exc}")
     if failed:
-        return f"worker helper threads: SCHED_IDLE not set on {len(failed)} of {len(helpers)} ({failed[0]})"
+        return (
+            f"worker helper threads: SCHED_IDLE not set on {len(failed)} of {len(helpers)} "
+            f"({failed[0]})"
+        )
     if name == "auto":
         torch.ops.stepserve_cpu.helper_watchdog_start(
             helpers, WATCHDOG_PERIOD_US, WATCHDOG_STARVED, WATCHDOG_HOLD_MS
         )
         return (
-            f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER while starved "
+            f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER while "
+            "starved "
             f"(watchdog every {WATCHDOG_PERIOD_US / 1000:g} ms)"
         )
-    return f"worker helper threads: SCHED_IDLE on {len(helpers)} (only for a machine without busy neighbours)"
+    return (
+        f"worker helper threads: SCHED_IDLE on {len(helpers)} "
+        "(only for a machine without busy neighbours)"
+    )
