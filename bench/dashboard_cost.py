@@ -19,8 +19,10 @@ engine's process runs alone on the first CPU, its worker and every client on the
 (`--no-pin`: the OS places them): three busy processes trading two cores at random made
 rounds differ by more than the effect measured.
 
-    python bench/dashboard_cost.py                                  # 64 streams, 5 viewers, 16 pairs
-    python bench/dashboard_cost.py --streams 8 --rounds 1 --duration 2 --warmup 1   # toy size
+    python -m bench.dashboard_cost                    # 64 streams, 5 viewers, 16 pairs
+    python -m bench.dashboard_cost --streams 8 --rounds 1 --duration 2 --warmup 1  # toy size
+
+The viewers' process is `python -m bench.dashboard_cost --viewers-process URL N SECONDS`.
 """
 
 from __future__ import annotations
@@ -39,10 +41,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.servers import free_port, wait_healthy  # noqa: E402
+from bench.servers import ROOT, bench_module_cmd, free_port, wait_healthy
 
 STEP = "stepserve:step_duration_seconds"
 
@@ -67,7 +66,7 @@ def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
         "100000",
     ]
     return subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
 
 
@@ -126,9 +125,10 @@ async def _viewers(url: str, viewers: int, seconds: float) -> None:
 async def start_viewers(
     url: str, viewers: int, seconds: float, nice: int
 ) -> asyncio.subprocess.Process:
+    cmd = bench_module_cmd("dashboard_cost", "--viewers-process", url, str(viewers), str(seconds))
     return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--viewers-process", url, str(viewers), str(seconds), cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        *cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def _children(pid: int) -> list[int]:
@@ -245,10 +245,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--viewers-process":
-        asyncio.run(_viewers(sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
-        return
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 4 and argv[0] == "--viewers-process":
+        asyncio.run(_viewers(argv[1], int(argv[2]), float(argv[3])))
+        return 0
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -276,9 +277,10 @@ def main() -> None:
         action="store_false",
         help="leave CPU placement to the OS (default: the engine alone on the first CPU)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     print(json.dumps(asyncio.run(run(args)), indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

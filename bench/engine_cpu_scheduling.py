@@ -1,6 +1,6 @@
 """The server process's CPU scheduling policy, side by side: `stepserve serve
 --engine-cpu-scheduling normal` (SCHED_OTHER) against `batch` (SCHED_BATCH, the default),
-each a fresh server, on the same requests as `bench/vs_llamacpp.py`. Prints JSON.
+each a fresh server, on the same requests as `bench.vs_llamacpp`. Prints JSON.
 
 Per scenario and policy: the load generator's summary, and from `/metrics` over the
 scenario the worker's mean execute time per step and the engine's mean step time (output
@@ -8,8 +8,8 @@ to output); their difference is what the engine, the pipe and the OS add to ever
 Rounds alternate which policy goes first; ratios are batch / normal, each figure's median
 over the rounds (a time ratio < 1 or a rate ratio > 1 is SCHED_BATCH winning).
 
-    python bench/engine_cpu_scheduling.py                                   # single + saturating, 4 rounds
-    python bench/engine_cpu_scheduling.py --scenarios single --rounds 6
+    python -m bench.engine_cpu_scheduling            # single + saturating, 4 rounds
+    python -m bench.engine_cpu_scheduling --scenarios single --rounds 6
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.servers import free_port, load, running, step_histogram, stepserve_cmd  # noqa: E402
-from bench.vs_llamacpp import KEYS, SCENARIOS, cpu_info  # noqa: E402
+from bench.servers import cpu_info, free_port, load, running, step_histogram, stepserve_cmd
+from bench.vs_llamacpp import KEYS, SCENARIOS
 
 POLICIES = ("normal", "batch")
 FIGURES = (

@@ -1,7 +1,7 @@
 """Simulator fidelity: predict a live load run with the calibrated CPU profile, then measure it.
 
 One run does everything, side by side:
-  1. `bench/worker_step.py` on the default model -> the CPU's step times (JSON);
+  1. `python -m bench.worker_step` on the default model -> the CPU's step times (JSON);
   2. `stepserve simulate calibrate` fits a hardware profile to them;
   3. `stepserve serve` starts on a free port; `stepserve bench` loads it with a seeded
      Poisson workload and measures;
@@ -13,6 +13,9 @@ Per run it also reports what the engine adds to the worker's execute time per st
 (`engine_overhead_ms`, step minus execute) and `execute_fits_in_step`: whether the worker's
 own time is within the server's step time (5% slack for the two clocks); false means the
 step or execute timing is wrong, so read the ratios of that run with suspicion.
+
+    python -m bench.fidelity                              # rates 0.3 and 0.6 req/s
+    python -m bench.fidelity --bench-json steps.json --worker-args='--enforce-eager'
 """
 
 from __future__ import annotations
@@ -27,10 +30,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.servers import free_port, step_histogram, wait_healthy  # noqa: E402
+from bench.servers import ROOT, bench_module_cmd, free_port, load, step_histogram, wait_healthy
 
 KEYS = (
     "request_throughput",
@@ -56,7 +56,7 @@ def _run(args: list[str]) -> None:
     sys.stderr.write(done.stdout)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         "which the engine, the HTTP front end and the load generator need)",
     )
     ap.add_argument(
-        "--bench-json", default=None, help="reuse a worker_step.py output instead of running it"
+        "--bench-json", default=None, help="reuse a bench.worker_step output instead of running it"
     )
     ap.add_argument(
         "--worker-args",
@@ -96,14 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.bench_json:
         with step_json.open("w") as f:
             subprocess.run(
-                [
-                    sys.executable,
-                    "bench/worker_step.py",
-                    "--threads",
-                    str(args.threads),
-                    *CALIBRATION,
-                    *args.worker_args,
-                ],
+                bench_module_cmd(
+                    "worker_step", "--threads", str(args.threads), *CALIBRATION, *args.worker_args
+                ),
                 check=True,
                 cwd=ROOT,
                 stdout=f,
@@ -151,21 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
             out = tmp / f"measured-{rate}.json"
             before = step_histogram(url)
-            _run(
-                [
-                    "-m",
-                    "service.cli",
-                    "bench",
-                    "--base-url",
-                    url,
-                    "--disable-tqdm",
-                    "--result-json",
-                    str(out),
-                    *_workload(args, rate),
-                ]
-            )
+            measured[rate] = load(url, _workload(args, rate), out, KEYS)
             after = step_histogram(url)
-            measured[rate] = json.loads(out.read_text())
             steps = after[0] - before[0]
             per_step = 1e3 / steps if steps else 0.0
             measured[rate].update(
@@ -222,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             indent=2,
         )
     )
+    return 0
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:
@@ -232,4 +215,4 @@ def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

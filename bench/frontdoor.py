@@ -15,16 +15,18 @@ behind gets coalesced events):
 Levels (`--concurrency`): that many streaming completions at once (greedy, ignore_eos).
 
 Reader scenarios (`--scenarios`), each on a fresh server: `--normal-streams` streams of
-`--scenario-tokens` tokens read as fast as they can, alone ("baseline"), next to `--special-streams` readers that read
-`--slowdown` times slower than a normal stream receives bytes ("slow"), or that read their
-first event and then nothing while keeping the socket open ("stalled"). Reported: the
-normal streams' ITL and throughput, the server process's peak RSS (sampled every 50 ms),
-both as ratios to the baseline, and what the special readers received.
+`--scenario-tokens` tokens read as fast as they can, alone ("baseline"), next to
+`--special-streams` readers that read `--slowdown` times slower than a normal stream
+receives bytes ("slow"), or that read their first event and then nothing while keeping the
+socket open ("stalled"). Reported: the normal streams' ITL and throughput, the server
+process's peak RSS (sampled every 50 ms), both as ratios to the baseline, and what the
+special readers received.
 
-    python bench/frontdoor.py                       # levels 64 and 512, then the three scenarios
-    python bench/frontdoor.py --concurrency 64 --tokens 128 --scenarios none
-    python bench/frontdoor.py --concurrency 16 --tokens 16 --scenario-tokens 16 --normal-streams 8 --special-streams 2  # toy
-    python bench/frontdoor.py ... --profile DIR     # each server under cProfile: DIR/<run>.prof
+    python -m bench.frontdoor                     # levels 64 and 512, then the three scenarios
+    python -m bench.frontdoor --concurrency 64 --tokens 128 --scenarios none
+    python -m bench.frontdoor --concurrency 16 --tokens 16 --scenario-tokens 16 \
+        --normal-streams 8 --special-streams 2    # toy size
+    python -m bench.frontdoor ... --profile DIR   # each server under cProfile: DIR/<run>.prof
 """
 
 from __future__ import annotations
@@ -46,10 +48,7 @@ from typing import TypeVar
 import aiohttp
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.servers import free_port, wait_healthy  # noqa: E402
+from bench.servers import ROOT, free_port, wait_healthy
 
 T = TypeVar("T")
 
@@ -88,15 +87,14 @@ def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -
         *extra,
     ]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     return Server(proc, f"http://127.0.0.1:{port}")
 
 
 def stop_server(server: Server) -> None:
-    server.proc.send_signal(
-        signal.SIGINT
-    )  # drains like SIGTERM; cProfile writes its file on this exit
+    # SIGINT drains like SIGTERM, and cProfile writes its file on this exit
+    server.proc.send_signal(signal.SIGINT)
     server.proc.wait(120)
 
 
@@ -134,9 +132,8 @@ def _record_line(rec: StreamRecord, line: bytes) -> None:
         rec.error = chunk["error"]["message"]
         return
     choice = chunk["choices"][0]
-    rec.events.append(
-        (time.perf_counter(), len(choice["logprobs"]["tokens"]))
-    )  # tokens carried by this event
+    # (arrival, tokens carried by this event)
+    rec.events.append((time.perf_counter(), len(choice["logprobs"]["tokens"])))
     rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
 
 
@@ -266,10 +263,8 @@ async def run_scenario(
             )
             for i, rec in enumerate(specials)
         ]
-        if special:
-            await asyncio.sleep(
-                0.2
-            )  # the special readers are running before the measured ones start
+        if special:  # the special readers are running before the measured ones start
+            await asyncio.sleep(0.2)
         start = time.perf_counter()
         normal = await asyncio.gather(
             *[
@@ -303,11 +298,14 @@ async def run_scenario(
 
 
 def _ratios(run: dict[str, object], base: dict[str, object]) -> dict[str, float]:
-    n, b = run["normal"], base["normal"]
+    n: dict[str, float] = run["normal"]  # type: ignore[assignment]
+    b: dict[str, float] = base["normal"]  # type: ignore[assignment]
+    rss: float = run["server_rss_peak_mib"]  # type: ignore[assignment]
+    base_rss: float = base["server_rss_peak_mib"]  # type: ignore[assignment]
     return {
-        "itl_p99_vs_baseline": round(n["itl_ms_p99"] / b["itl_ms_p99"], 3),  # type: ignore[index]
-        "tokens_per_s_vs_baseline": round(n["tokens_per_s"] / b["tokens_per_s"], 3),  # type: ignore[index]
-        "rss_vs_baseline": round(run["server_rss_peak_mib"] / base["server_rss_peak_mib"], 3),  # type: ignore[operator]
+        "itl_p99_vs_baseline": round(n["itl_ms_p99"] / b["itl_ms_p99"], 3),
+        "tokens_per_s_vs_baseline": round(n["tokens_per_s"] / b["tokens_per_s"], 3),
+        "rss_vs_baseline": round(rss / base_rss, 3),
     }
 
 
@@ -396,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scenario-tokens",
         type=int,
         default=1024,
-        help="tokens per normal stream in the reader scenarios (default %(default)s: ~1.5 s runs; at "
-        "256 a run lasts half a second and its p99 is a handful of gaps)",
+        help="tokens per normal stream in the reader scenarios (default %(default)s: ~1.5 s "
+        "runs; at 256 a run lasts half a second and its p99 is a handful of gaps)",
     )
     parser.add_argument("--special-tokens", type=int, default=None,
                         help="tokens per special stream (default 4x --scenario-tokens)")

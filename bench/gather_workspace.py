@@ -1,13 +1,14 @@
 """Decode attention with and without the gather workspace, side by side, printed as JSON.
 
-    python bench/gather_workspace.py [--batch 128] [--context 256] [--steps 5]
+    python -m bench.gather_workspace [--batch 128] [--context 256] [--steps 5]
 
 Runs SmolLM2-shaped decode attention (30 layers, 9 query / 3 KV heads of 64, fp32, block
 16) over a paged KV cache: each step, every layer gathers its requests' K/V blocks and
 runs SDPA. `fresh` allocates each gathered K/V tensor anew (what the torch backend did
 before `GatherWorkspace`); `workspace` reuses two buffers. Each variant runs in its own
-fresh process, so both start from a cold allocator as a new server does. Reports the
-median and first step times and their ratio.
+fresh process (`python -m bench.gather_workspace --variant NAME ...`, which prints that
+variant's step times), so both start from a cold allocator as a new server does. Reports
+the median and first step times and their ratio.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scheduler.sampling import SamplingParams  # noqa: E402
-from worker.attention.torch_backend import TorchAttention, gather_blocks  # noqa: E402
-from worker.execution.input_batch import InputBatch, RequestState  # noqa: E402
+from bench.servers import ROOT, bench_module_cmd
+from scheduler.sampling import SamplingParams
+from worker.attention.torch_backend import TorchAttention, gather_blocks
+from worker.execution.input_batch import InputBatch, RequestState
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -52,15 +51,19 @@ def run_variant(variant: str, batch: int, context: int, steps: int, threads: int
         scheduled.append((state, 1))
     meta = inputs.attention_metadata(inputs.prepare(scheduled))
     attention = TorchAttention()
+    attention.set_cache(caches)
+    attention.bind(meta)
     if variant == "fresh":
-        attention.workspace.gather = lambda cache, ids, which: gather_blocks(cache, ids)  # type: ignore[method-assign]
+        attention.workspace.gather = (  # type: ignore[method-assign]
+            lambda cache, ids, which: gather_blocks(cache, ids)
+        )
     q = torch.randn(batch, Q_HEADS, HEAD_DIM)
     k, v = torch.randn(batch, KV_HEADS, HEAD_DIM), torch.randn(batch, KV_HEADS, HEAD_DIM)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         for layer in range(LAYERS):
-            attention.forward(q, k, v, caches[layer], meta)
+            attention.forward(q, k, v, layer)
         times.append(time.perf_counter() - start)
     return times
 
@@ -83,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for variant in ("fresh", "workspace"):
         out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
+            bench_module_cmd(
+                "gather_workspace",
                 "--variant",
                 variant,
                 "--batch",
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.steps),
                 "--threads",
                 str(args.threads),
-            ],
+            ),
+            cwd=ROOT,
             check=True,
             capture_output=True,
             text=True,

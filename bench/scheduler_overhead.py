@@ -10,6 +10,9 @@ the initial burst would prefill one block a step.
 
 Steady state is measured: every request is decoding (prompts prefilled first), and a
 stream of new arrivals keeps a chunked prefill in most steps, as in a loaded server.
+
+    python -m bench.scheduler_overhead                          # 256 and 1024 running
+    python -m bench.scheduler_overhead --running 48 --max-step-ms 0 100 200
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 from scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
@@ -99,8 +103,10 @@ def measure(num_running: int, prefix_caching: bool, steps: int, prompt_len: int 
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     ap.add_argument(
@@ -118,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         for t in args.max_step_ms
     ]
     print(json.dumps({"benchmark": "scheduler_overhead", "results": results}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

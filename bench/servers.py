@@ -1,10 +1,18 @@
-"""Starting servers for the side-by-side benchmarks: a fresh `stepserve serve` or llama.cpp's
-`llama-server` on a free port, and `stepserve bench` against it (its JSON summary back)."""
+"""What the benchmark scripts share: starting a fresh `stepserve serve` or llama.cpp's
+`llama-server` on a free port, `stepserve bench` against it (its JSON summary back), the
+server's step histogram, the CPU's description, and the command that runs a benchmark
+module (or its child mode) in a fresh process.
+
+The scripts are modules of the `bench` package, run from the repository root as
+`python -m bench.NAME`; a child process they start runs the same way, from `ROOT`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import platform
 import socket
 import subprocess
 import sys
@@ -17,19 +25,52 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every latency statistic `stepserve bench` can write: the scripts read any of them.
+ALL_PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 LLAMA_DEFAULT = Path.home() / ".cache/stepserve-bench/build/bin/llama-server"
 BUILD_HINT = (
     "build it with: bash ../shared/tools/build-llama-server.sh (it prints the binary's path)"
 )
 
 
+def bench_module_cmd(name: str, *args: str) -> list[str]:
+    """`python -m bench.NAME ARGS` with this interpreter (run it with `cwd=ROOT`)."""
+    return [sys.executable, "-m", f"bench.{name}", *args]
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model and its vector flags (reported with every run: CPUs change between
+    sessions)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = text.splitlines()
+    model = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+        platform.processor(),
+    )
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx_vnni",
+        "amx_tile",
+        "amx_bf16",
+    )
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    """Return once `url`/health answers 200; raise if `proc` exits or `timeout` s pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -66,6 +107,7 @@ def llama_server_binary(given: str | None) -> Path | None:
 
 
 def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
+    """`stepserve serve` on `port` with `threads` worker threads and extra `flags`."""
     return [
         sys.executable,
         "-m",
@@ -80,6 +122,7 @@ def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
 
 
 def llama_cmd(binary: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str]:
+    """`llama-server` on the default model's GGUF file, continuous batching over `slots`."""
     from common.model_files import find_default_model
 
     return [
@@ -123,7 +166,9 @@ def running(cmd: list[str], port: int, log: Path | None = None) -> Iterator[str]
 def load(
     url: str, workload: list[str], out: Path, keys: tuple[str, ...], model: str | None = None
 ) -> dict[str, Any]:
-    """`stepserve bench` with `workload` flags against `url`; the summary's `keys`."""
+    """`stepserve bench` with `workload` flags against `url` (statistics of every latency
+    metric, at vLLM's default percentile 99); the result file's `keys` (None where absent).
+    Its table goes to stderr, keeping stdout for the benchmark's JSON."""
     cmd = [
         sys.executable,
         "-m",
@@ -132,6 +177,8 @@ def load(
         "--base-url",
         url,
         "--disable-tqdm",
+        "--percentile-metrics",
+        ALL_PERCENTILE_METRICS,
         "--result-json",
         str(out),
         *(["--model", model] if model else []),

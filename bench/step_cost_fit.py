@@ -4,7 +4,7 @@ next `predict` (which refits), with the NNLS solve started from the last fit's s
 Prints JSON, with the largest difference between the two fits' predictions (the optimum
 is unique, so it must be ~0).
 
-    python bench/step_cost_fit.py                # 3000 steps of 64 decodes, some with a prefill chunk
+    python -m bench.step_cost_fit     # 3000 steps of 64 decodes, some with a prefill chunk
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 import time
 from unittest import mock
 
@@ -55,13 +56,13 @@ def run(steps: list[tuple[BatchShape, float]], cold: bool) -> tuple[float, list[
     return elapsed / len(steps) * 1e6, predictions
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is kept")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     steps = _steps(args.steps, 0)
     warm, cold = [], []
     for _ in range(args.rounds):
@@ -85,7 +86,8 @@ def main() -> None:
             indent=2,
         )
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,19 +5,20 @@ and `stepserve bench` sends the same seeded workload all at once (`--request-rat
 fixed budgets run with `--max-step-ms 0`, time targets with the default token budget.
 Optionally the same workload goes to llama.cpp's `llama-server` on the same GGUF file.
 Prints JSON: per configuration total throughput, TTFT p50/p99 and ITL p50/p99, and the
-ratios the issue asks about (each target against the best fixed budget, and against
-llama-server when it ran). With `--rounds N` every configuration runs N times, the order
+ratios that decide whether a time target pays (each target against the best fixed budget,
+and against llama-server when it ran). With `--rounds N` every configuration runs N times, the order
 reversed every other round (a shared machine drifts within minutes: one pass in order puts
 the last configurations in whatever stretch the machine is in by then); each figure is then
 the median over rounds, each ratio the median of the rounds' own ratios, and every round's
 results are kept under "rounds".
 
-    python bench/step_time_budget.py                               # the full run (quiet machine)
-    python bench/step_time_budget.py --num-prompts 4 --output-len 8 --budgets 256 --targets default
-    python bench/step_time_budget.py --budgets 256 512 --targets 100 default --rounds 3
-    python bench/step_time_budget.py --budgets 256 --targets 100:0 100:0.5     # ms:--min-prefill-share
-    python bench/step_time_budget.py --llama-server auto           # also llama-server (build it first:
-                                                              #   bash /work/shared/tools/build-llama-server.sh)
+    python -m bench.step_time_budget                  # the full run (quiet machine)
+    python -m bench.step_time_budget --num-prompts 4 --output-len 8 --budgets 256 \
+        --targets default
+    python -m bench.step_time_budget --budgets 256 512 --targets 100 default --rounds 3
+    python -m bench.step_time_budget --budgets 256 --targets 100:0 100:0.5   # ms:share
+    python -m bench.step_time_budget --llama-server auto  # also llama-server (build it
+                                       # first: bash ../shared/tools/build-llama-server.sh)
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.servers import (  # noqa: E402
+from bench.servers import (
     BUILD_HINT,
     free_port,
     llama_cmd,
@@ -42,7 +41,7 @@ from bench.servers import (  # noqa: E402
     running,
     stepserve_cmd,
 )
-from scheduler.config import SchedulerConfig  # noqa: E402
+from scheduler.config import SchedulerConfig
 
 KEYS = (
     "total_token_throughput",
@@ -92,11 +91,12 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         for b in args.budgets
     ]
     targets = []
+    default = SchedulerConfig()
     for t in args.targets:  # "default", "MS" (the default --min-prefill-share) or "MS:SHARE"
         if t == "default":
-            targets.append((f"target-default-{SchedulerConfig().max_step_ms:g}-share-{SchedulerConfig().min_prefill_share:g}",
-                            ["--max-step-ms", f"{SchedulerConfig().max_step_ms:g}",
-                             "--min-prefill-share", f"{SchedulerConfig().min_prefill_share:g}"]))
+            ms, share = f"{default.max_step_ms:g}", f"{default.min_prefill_share:g}"
+            targets.append((f"target-default-{ms}-share-{share}",
+                            ["--max-step-ms", ms, "--min-prefill-share", share]))
             continue
         ms, _, share = t.partition(":")
         flags = ["--max-step-ms", f"{float(ms):g}"] + (
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         binary = llama_server_binary(args.llama_server)
         if binary is None:
             print(
-                f"bench/step_time_budget.py: no llama-server at {args.llama_server}; {BUILD_HINT}",
+                f"bench.step_time_budget: no llama-server at {args.llama_server}; {BUILD_HINT}",
                 file=sys.stderr,
             )
             return 2

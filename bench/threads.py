@@ -9,8 +9,11 @@ sibling is preempted wastes the core the sibling needs. Each combination runs in
 process (the wait policy is read at OpenMP start-up). Prints JSON, with each combination's
 step time relative to the all-threads, default-policy, no-neighbour one.
 
-    python bench/threads.py [--enforce-eager] [--policies default PASSIVE spin:10000] [--threads 2]
-    python bench/threads.py --threads 2 --policies default --helper-policies normal idle auto
+    python -m bench.threads [--enforce-eager] [--policies default PASSIVE spin:10000] [--threads 2]
+    python -m bench.threads --threads 2 --policies default --helper-policies normal idle auto
+
+Each combination is `python -m bench.threads --child --threads N --helper-policies H
+[--enforce-eager]` under the wait policy's environment: it prints its step times as JSON.
 """
 
 from __future__ import annotations
@@ -22,39 +25,48 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.servers import ROOT, bench_module_cmd
+from worker.config import HELPER_CPU_SCHEDULING
 
-from worker.config import HELPER_CPU_SCHEDULING  # noqa: E402
+DECODE_BATCHES = (1, 8)
+CONTEXT = 128
+WARMUP_STEPS, TIMED_STEPS = 3, 25
 
-CHILD = r"""
-import json, sys, time, torch
-sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
-from worker_step import Bench, median, start_decodes, time_once
-from worker.config import WorkerConfig
-from worker.execution.model_runner import ModelRunner
-r = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28, num_threads={threads},
-                             enforce_eager={eager}))
-b = Bench(r)
-from worker.process.cpu_scheduling import apply_helper_cpu_scheduling, watchdog_stats
-apply_helper_cpu_scheduling({helper!r})
-out = {{}}
-with torch.inference_mode():
-    for batch in (1, 8):
-        ids = start_decodes(b, batch, 128)
-        for _ in range(3):
-            r.execute(b.plan({{}}, dict.fromkeys(ids, 1)))
-        times = [time_once(lambda: r.execute(b.plan({{}}, dict.fromkeys(ids, 1))), r.device) for _ in range(25)]
-        out[batch] = median(times)
-        out[str(batch) + "_max"] = max(times)
-        out[str(batch) + "_mean"] = sum(times) / len(times)
-        b.finish(ids)
-out["watchdog"] = watchdog_stats()
-print(json.dumps(out))
-"""
+
+def child(threads: int, eager: bool, helper: str) -> dict[str, Any]:
+    """In this process: build the default model's runner with `threads` threads, apply the
+    helper CPU scheduling `helper`, and time decode steps at each of `DECODE_BATCHES`
+    (seconds: median, max and mean) with the watchdog's counts."""
+    import torch
+
+    from bench.worker_step import Bench, median, start_decodes, time_once
+    from worker.config import WorkerConfig
+    from worker.execution.model_runner import ModelRunner
+    from worker.process.cpu_scheduling import apply_helper_cpu_scheduling, watchdog_stats
+
+    runner = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28,
+                                      num_threads=threads, enforce_eager=eager))
+    bench = Bench(runner)
+    apply_helper_cpu_scheduling(helper)
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for batch in DECODE_BATCHES:
+            ids = start_decodes(bench, batch, CONTEXT)
+
+            def step(ids: list[str] = ids) -> None:
+                runner.execute(bench.plan({}, dict.fromkeys(ids, 1)))
+
+            for _ in range(WARMUP_STEPS):
+                step()
+            times = [time_once(step, runner.device) for _ in range(TIMED_STEPS)]
+            out[str(batch)] = median(times)
+            out[f"{batch}_max"] = max(times)
+            out[f"{batch}_mean"] = sum(times) / len(times)
+            bench.finish(ids)
+    out["watchdog"] = watchdog_stats()
+    return out
 
 
 def _spin(stop: float) -> None:
@@ -74,17 +86,20 @@ def measure(
         env["GOMP_SPINCOUNT"] = policy.removeprefix("spin:")
     elif policy != "default":
         raise SystemExit(f"unknown policy {policy!r} (default, PASSIVE or spin:N)")
-    code = CHILD.format(
-        root=str(ROOT), bench=str(ROOT / "bench"), threads=threads, eager=eager, helper=helper
+    cmd = bench_module_cmd(
+        "threads", "--child", "--threads", str(threads), "--helper-policies", helper,
+        *(["--enforce-eager"] if eager else []),
     )
     spinner = None
     if neighbour:
         spinner = multiprocessing.Process(target=_spin, args=(time.monotonic() + 600,), daemon=True)
         spinner.start()
     try:
-        # a combination that hangs (spinning barriers starved by the neighbour) is reported, not waited for
+        # a combination that hangs (spinning barriers starved by the neighbour) is reported,
+        # not waited for
         done = subprocess.run(
-            [sys.executable, "-c", code],
+            cmd,
+            cwd=ROOT,
             env=env,
             capture_output=True,
             text=True,
@@ -114,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         nargs="+",
         default=["default", "PASSIVE"],
-        help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is the baseline",
+        help="OpenMP wait policies: default, PASSIVE, spin:N (GOMP_SPINCOUNT=N); the first is "
+        "the baseline",
     )
     ap.add_argument(
         "--threads",
@@ -130,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=HELPER_CPU_SCHEDULING,
         help="--helper-cpu-scheduling values to time (default: normal)",
     )
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:  # one combination in this process: one thread count, one helper policy
+        if len(args.threads or []) != 1 or len(args.helper_policies) != 1:
+            ap.error("--child takes one --threads value and one --helper-policies value")
+        print(json.dumps(child(args.threads[0], args.enforce_eager, args.helper_policies[0])))
+        return 0
     cores = os.cpu_count() or 2
     counts = sorted(set(args.threads or {1, cores}))
     rows = []

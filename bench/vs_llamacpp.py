@@ -16,9 +16,9 @@ within minutes, one server's turn can fall in a slow stretch the other's misses.
 the one `../shared/tools/build-llama-server.sh` builds (or `--llama-server PATH`); when it is
 absent the bench says how to build it and exits 2.
 
-    python bench/vs_llamacpp.py                     # all scenarios (a quiet machine: ~10 min)
-    python bench/vs_llamacpp.py --scenarios single --stepserve-flags --enforce-eager
-    python bench/vs_llamacpp.py --scenarios single saturating --rounds 4
+    python -m bench.vs_llamacpp                     # all scenarios (a quiet machine: ~10 min)
+    python -m bench.vs_llamacpp --scenarios single --stepserve-flags --enforce-eager
+    python -m bench.vs_llamacpp --scenarios single saturating --rounds 4
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.servers import (  # noqa: E402
+from bench.servers import (
     BUILD_HINT,
+    cpu_info,
     free_port,
     llama_cmd,
     llama_server_binary,
@@ -121,35 +119,6 @@ RATIOS = {
 }
 
 
-def cpu_info() -> dict[str, Any]:
-    """The CPU model and its vector flags (reported with every run: CPUs change between sessions)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in text.splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-        [],
-    )
-    wanted = (
-        "avx2",
-        "fma",
-        "avx512f",
-        "avx512bw",
-        "avx512_vnni",
-        "avx512_bf16",
-        "avx_vnni",
-        "amx_tile",
-        "amx_bf16",
-    )
-    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
-
-
 def _with_prefill_rate(summary: dict[str, Any], scenario: str) -> dict[str, Any]:
     if scenario == "prefill" and summary.get("median_ttft_ms") and summary.get("completed"):
         prompt = summary["total_input_tokens"] / summary["completed"]
@@ -175,7 +144,8 @@ def run_all(
 
 
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """stepserve / llama-server for each figure (a time ratio < 1 or a rate ratio > 1 is ours winning)."""
+    """stepserve / llama-server for each figure (a time ratio < 1 or a rate ratio > 1 is ours
+    winning)."""
     out: dict[str, Any] = {}
     for name, (key, scenario, _) in RATIOS.items():
         a, b = ours.get(scenario, {}).get(key), theirs.get(scenario, {}).get(key)
@@ -222,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     binary = llama_server_binary(args.llama_server)
     if binary is None:
         print(
-            f"bench/vs_llamacpp.py: no llama-server at {args.llama_server}; {BUILD_HINT}",
+            f"bench.vs_llamacpp: no llama-server at {args.llama_server}; {BUILD_HINT}",
             file=sys.stderr,
         )
         return 2

@@ -1,13 +1,14 @@
 """Worker step benchmark: decode and prefill throughput of `ModelRunner` next to this
 machine's measured matmul rate and memory bandwidth (the rooflines), printed as JSON.
 
-    python bench/worker_step.py                        # default SmolLM2 GGUF on this CPU
-    python bench/worker_step.py --dtype bfloat16 --compare-dtypes
-    python bench/worker_step.py --model-shape llama-3.1-8b --random-weights --dtype bfloat16
-    python bench/worker_step.py --breakdown            # where a step's time goes, phase by phase
-    python bench/worker_step.py --batches 1 16 --chunks 256 --context 96 --compare-activations
-    python bench/worker_step.py --batches 1 64 --chunks 256 --context 400 --compare-kv-cache
-    python bench/worker_step.py --batches 1 --chunks 256 1024 --chunk-context 0 --compare-chunk-attention
+    python -m bench.worker_step                        # default SmolLM2 GGUF on this CPU
+    python -m bench.worker_step --dtype bfloat16 --compare-dtypes
+    python -m bench.worker_step --model-shape llama-3.1-8b --random-weights --dtype bfloat16
+    python -m bench.worker_step --breakdown            # where a step's time goes, phase by phase
+    python -m bench.worker_step --batches 1 16 --chunks 256 --context 96 --compare-activations
+    python -m bench.worker_step --batches 1 64 --chunks 256 --context 400 --compare-kv-cache
+    python -m bench.worker_step --batches 1 --chunks 256 1024 --chunk-context 0 \
+        --compare-chunk-attention
 
 Decode roofline per step: the larger of (weight bytes + KV bytes read) / copy bandwidth and
 2 * matmul params (LM head included) * batch / matmul rate. Prefill roofline: 2 * matmul
@@ -37,20 +38,17 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.arith import cdiv  # noqa: E402
-from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from scheduler.sampling import SamplingParams  # noqa: E402
-from worker.config import WorkerConfig, WorkerInfo  # noqa: E402
-from worker.execution.model_runner import ModelRunner, resolve_device, resolve_dtype  # noqa: E402
-from worker.model.config import ModelConfig  # noqa: E402
-from worker.model.loader import expected_shapes  # noqa: E402
+from common.arith import cdiv
+from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.sampling import SamplingParams
+from worker.config import WorkerConfig, WorkerInfo
+from worker.execution.model_runner import ModelRunner, resolve_device, resolve_dtype
+from worker.model.config import ModelConfig
+from worker.model.loader import expected_shapes
 
 LLAMA_31_8B = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -183,8 +181,9 @@ class Bench:
         need = max(0, cdiv(tokens, self.bs))
         if need > len(self.free):
             raise SystemExit(
-                f"the KV cache is too small for this run ({need} blocks needed, {len(self.free)} free): "
-                "every decode batch is kept for the whole run; raise --kv-cache-gib"
+                f"the KV cache is too small for this run ({need} blocks needed, "
+                f"{len(self.free)} free): every decode batch is kept for the whole run; "
+                "raise --kv-cache-gib"
             )
         taken, self.free = self.free[:need], self.free[need:]
         return taken
@@ -418,7 +417,8 @@ class PhaseTimer:
 
 
 def _phases(bench: Bench, make_plan: Callable[[], SchedulerOutput], steps: int) -> dict[str, float]:
-    """Mean ms per step of each phase over `steps` steps (the step total, and what no phase holds)."""
+    """Mean ms per step of each phase over `steps` steps (the step total, and what no phase
+    holds)."""
     runner = bench.runner
     runner.execute(make_plan())  # warm-up
     timer = PhaseTimer(runner)
@@ -472,7 +472,8 @@ def ipc_round_trip_ms(batch: int, steps: int = 100) -> dict[str, float]:
         )
         await client.start()
         try:
-            fake = Bench(None, client.info)  # type: ignore[arg-type]  # plans only, run by the client
+            # plans only, run by the client
+            fake = Bench(None, client.info)  # type: ignore[arg-type]
             reqs = prompts(batch, 32, client.info.vocab_size, seed=7)
             client.submit(fake.plan(reqs, {}))
             await client.get_output()
@@ -629,7 +630,8 @@ def chunk_attention_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[st
     against torch's SDPA, the same runner switched between turns (`runners_ab`)."""
     if runner.info.attention_backend != "cpu":
         return {
-            "skipped": f"this runner's attention backend is {runner.info.attention_backend}, not cpu"
+            "skipped": f"this runner's attention backend is {runner.info.attention_backend}, "
+            "not cpu"
         }
     ops = torch.ops.stepserve_cpu
     return runners_ab({"kernel": Arm(runner, lambda: ops.set_chunk_kernel(True)),
@@ -697,20 +699,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="also break each decode batch's step (and one prefill chunk) into phases and operator groups",
+        help="also break each decode batch's step (and one prefill chunk) into phases and "
+        "operator groups",
     )
     parser.add_argument(
         "--compare-activations",
         action="store_true",
-        help="also time every decode batch and prefill chunk with the GGUF products' int8 activations "
-        "(the default where the CPU runs them) against float32 ones, two runners in one "
-        "process, alternating rounds",
+        help="also time every decode batch and prefill chunk with the GGUF products' int8 "
+        "activations (the default where the CPU runs them) against float32 ones, two runners "
+        "in one process, alternating rounds",
     )
     parser.add_argument(
         "--compare-kv-cache",
         action="store_true",
-        help="also time every decode batch and prefill chunk with this runner's KV cache element type "
-        "(float16 by default on the C++ attention) against a float32 cache, the same way",
+        help="also time every decode batch and prefill chunk with this runner's KV cache element "
+        "type (float16 by default on the C++ attention) against a float32 cache, the same way",
     )
     parser.add_argument(
         "--ab-rounds",
@@ -721,8 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare-chunk-attention",
         action="store_true",
-        help="also time every decode batch and prefill chunk (after the first --chunk-context) with "
-        "long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way",
+        help="also time every decode batch and prefill chunk (after the first --chunk-context) "
+        "with long chunks' attention in the C++ chunk kernel against torch's SDPA, the same way",
     )
     args = parser.parse_args(argv)
     if args.ab_rounds < 2 or args.ab_rounds % 2:

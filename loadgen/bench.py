@@ -2,9 +2,10 @@
 
 Requests leave at their workload arrival times (Poisson or gamma, `--request-rate inf`
 sends all at once) whether or not earlier ones have finished; `--max-concurrency` caps
-how many are in flight. Prints a `vllm bench serve`-style table, and optionally writes
-`--result-json` (the summary's vLLM keys at the top level, as vLLM's file has them, plus
-``config``, ``summary``, ``errors`` and every per-request record) and `--plot DIR` PNGs.
+how many are in flight. Prints `vllm bench serve`'s table (`--percentile-metrics` and
+`--metric-percentiles` choose its latency rows, as there), and optionally writes
+`--result-json` in the layout of `vllm bench serve --save-result --save-detailed` (see
+`result_json`) and `--plot DIR` PNGs.
 """
 
 from __future__ import annotations
@@ -15,19 +16,49 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from tqdm import tqdm
 
+from common.model_files import find_default_model
 from loadgen.plotting import PlotsUnavailable, require_plots
-from loadgen.report import RequestRecord, error_counts, format_table, parse_goodput, summarize
+from loadgen.report import (
+    DEFAULT_PERCENTILE_METRICS,
+    DEFAULT_PERCENTILES,
+    RequestRecord,
+    error_counts,
+    format_table,
+    parse_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+    summarize,
+)
 from loadgen.sse_client import Target, send_request
 from loadgen.tokenizer import load_tokenizer
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
+
+T = TypeVar("T")
+# The result file's top-level keys that describe the run, as vLLM writes them; every other
+# flag goes under "config".
+_RUN_KEYS = ("request_rate", "burstiness", "max_concurrency")
+
+
+def _flag(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse `type` from a parser that raises ValueError (argparse names the flag)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send token-id prompts without loading a tokenizer (completions only)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
                    help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
+    p.add_argument(
+        "--percentile-metrics",
+        type=_flag(parse_percentile_metrics),
+        default=DEFAULT_PERCENTILE_METRICS,
+        metavar="LIST",
+        help="comma-separated metrics that get mean, median, std and percentiles, among "
+        f"ttft,tpot,itl,e2el (default: {','.join(DEFAULT_PERCENTILE_METRICS)})",
+    )
+    p.add_argument(
+        "--metric-percentiles",
+        type=_flag(parse_metric_percentiles),
+        default=DEFAULT_PERCENTILES,
+        metavar="LIST",
+        help='comma-separated percentiles of those metrics, e.g. "25,50,99" (default: 99)',
+    )
     p.add_argument("--result-json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -99,24 +145,80 @@ async def run_benchmark(
     return list(records), duration
 
 
-def _config(args: argparse.Namespace, target: Target) -> dict[str, Any]:
-    """The run's configuration as plain JSON values."""
-    config = {k: (v if isinstance(v, int | float | str | bool | list) or v is None else str(v))
-              for k, v in vars(args).items()}
-    config.update(model=target.model, url=target.url, ignore_eos=target.ignore_eos)
-    if isinstance(config.get("request_rate"), float) and math.isinf(config["request_rate"]):
-        config["request_rate"] = "inf"
+def _json_value(value: Any) -> Any:
+    """A flag's value as plain JSON (infinite rates as "inf", as vLLM writes them)."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, tuple):
+        return list(value)
+    if value is None or isinstance(value, int | float | str | bool | list):
+        return value
+    return str(value)
+
+
+def run_header(
+    args: argparse.Namespace, target: Target, tokenizer_id: str | None, num_prompts: int
+) -> dict[str, Any]:
+    """The run's description at the top of the result file, under vLLM's key names."""
+    backend = "openai-chat" if target.chat else "openai"
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": backend,
+        "backend": backend,
+        "model_id": target.model,
+        "tokenizer_id": tokenizer_id,
+        "num_prompts": num_prompts,
+        **{key: _json_value(getattr(args, key)) for key in _RUN_KEYS},
+    }
+
+
+def run_config(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    """stepserve's own record of the run: every flag not already at the top of the file
+    (model_id, tokenizer_id and num_prompts there are what the run used), less the API key."""
+    skip = {*_RUN_KEYS, "model", "tokenizer", "num_prompts", "api_key"}
+    config = {k: _json_value(v) for k, v in vars(args).items() if k not in skip}
+    config.update(url=target.url, ignore_eos=target.ignore_eos)
     return config
 
 
-def write_result(path: str, config: dict[str, Any], summary: dict[str, Any],
-                 records: list[RequestRecord]) -> None:
-    """Write the result JSON: vLLM's top-level summary keys, then our sections."""
-    result = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), **summary, "config": config,
-        "summary": summary, "errors": error_counts(records),
-        "requests": [asdict(r) for r in records],
+def per_request(records: list[RequestRecord]) -> dict[str, list[Any]]:
+    """vLLM's per-request lists, one entry per request in workload order: a failed request
+    has output length 0 and its error message; a successful one the error ""."""
+    return {
+        "input_lens": [r.prompt_tokens for r in records],
+        "output_lens": [r.output_tokens if r.success else 0 for r in records],
+        "ttfts": [r.ttft for r in records],
+        "itls": [list(r.itls) for r in records],
+        "generated_texts": [r.generated_text for r in records],
+        "errors": ["" if r.success else (r.error or "unknown error") for r in records],
     }
+
+
+def result_json(
+    header: dict[str, Any],
+    summary: dict[str, Any],
+    records: list[RequestRecord],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """The result file: vLLM's keys (run header, summary, per-request lists) first, then
+    stepserve's own: `error_counts` (message -> count), `config` (the other flags) and
+    `requests` (each record's timing, priority, group and user)."""
+    requests = []
+    for r in records:
+        row = asdict(r)
+        row.pop("generated_text")  # already under generated_texts
+        requests.append(row)
+    return {
+        **header,
+        **summary,
+        **per_request(records),
+        "error_counts": error_counts(records),
+        "config": config,
+        "requests": requests,
+    }
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
 
@@ -124,6 +226,7 @@ def write_result(path: str, config: dict[str, Any], summary: dict[str, Any],
 async def _main_async(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     tokenizer = None if args.no_tokenizer else load_tokenizer(args.tokenizer)
+    tokenizer_id = None if args.no_tokenizer else (args.tokenizer or str(find_default_model()))
     requests = workload_from_args(args, tokenizer)
     model = args.model
     if model is None:
@@ -141,12 +244,17 @@ async def _main_async(args: argparse.Namespace) -> int:
     records, duration = await run_benchmark(
         requests, target, args.max_concurrency, not args.disable_tqdm
     )
-    summary = summarize(records, duration, slos or None)
-    print(format_table(summary))
+    summary = summarize(
+        records, duration, slos or None, args.metric_percentiles, args.percentile_metrics
+    )
+    print(format_table(summary, args.max_concurrency, args.request_rate))
     for message, count in error_counts(records).items():
         print(f"failed x{count}: {message}")
     if args.result_json:
-        write_result(args.result_json, _config(args, target), summary, records)
+        header = run_header(args, target, tokenizer_id, len(requests))
+        write_result(
+            args.result_json, result_json(header, summary, records, run_config(args, target))
+        )
     if args.plot:
         from loadgen.plots import write_plots
 

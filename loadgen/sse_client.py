@@ -4,8 +4,9 @@
 with ``stream: true`` and ``stream_options.include_usage``, reads the SSE ``data:`` lines
 and returns a `RequestRecord`: TTFT at the first non-empty content chunk, one
 inter-token latency per later content chunk, end-to-end latency at the end of the
-stream, token counts from the usage chunk. Every failure (HTTP status, error event,
-connection error, timeout) becomes a failed record with its message; none is raised.
+stream, token counts from the usage chunk, the streamed text. Every failure (HTTP status,
+error event, connection error, timeout) becomes a failed record with its message (and the
+text that arrived before it); none is raised.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class _StreamTimer:
         self.last: float | None = None
         self.chunks = 0
         self.usage: dict[str, Any] | None = None
+        self.text: list[str] = []
 
     def on_event(self, event: dict[str, Any], chat: bool, now: float) -> None:
         if "error" in event:
@@ -108,8 +110,10 @@ class _StreamTimer:
             raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
         if event.get("usage"):
             self.usage = event["usage"]
-        if not _content(event, chat):
+        text = _content(event, chat)
+        if not text:
             return
+        self.text.append(text)
         if self.last is None:
             self.record.ttft = now - self.sent
         else:
@@ -131,7 +135,8 @@ async def send_request(
     """Send `req`, stream its answer, and return what happened (never raises on failure)."""
     record = RequestRecord(
         request_id=req.request_id, success=False, priority=req.priority,
-        arrival_time=req.arrival_time, group=req.group, user=req.user, prompt_tokens=req.prompt_len,
+        arrival_time=req.arrival_time, group=req.group, user=req.user,
+        prompt_tokens=req.prompt_len,
     )
     sent = time.perf_counter()
     record.start_time = sent - run_start
@@ -155,4 +160,5 @@ async def send_request(
         record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         record.e2el = time.perf_counter() - sent
         record.success = False
+    record.generated_text = "".join(timer.text)
     return record

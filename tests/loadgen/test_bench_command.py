@@ -1,15 +1,16 @@
-"""The load generator end to end against a fake OpenAI-compatible SSE server.
+"""The load generator end to end against a fake OpenAI-compatible SSE server, and once
+against a live `stepserve serve`.
 
 The fake server streams one chunk per token with known gaps and known usage, fails some
 requests on purpose (HTTP 400 for max_tokens 7, an error event mid-stream for max_tokens
 9), and counts requests in flight, so every figure the load generator reports is checked
-against what the server did.
+against what the server did. The live server runs the instant stand-in worker behind the
+real engine, HTTP layer and tokenizer; a server that does not start fails the test.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
 import subprocess
@@ -137,6 +138,8 @@ def test_every_request_accounted_for(server: FakeServer) -> None:
     assert [r.success for r in records] == [True, False, True, False, True, False]
     assert records[1].error == "HTTP 400: max_tokens 7 is not allowed"
     assert "engine exploded" in records[3].error
+    assert records[3].generated_text == " t0"  # what streamed before the error event
+    assert records[0].generated_text == " t0 t1 t2 t3"
     for rec, n in zip(records, output_lens, strict=True):
         if rec.success:
             assert rec.output_tokens == n and rec.prompt_tokens == 4  # from usage, not the workload
@@ -186,20 +189,76 @@ def test_cli_end_to_end(server: FakeServer, tmp_path: Path, capsys: pytest.Captu
     result, plots = tmp_path / "out" / "result.json", tmp_path / "plots"
     rc = main(["--base-url", server.url, "--api-key", API_KEY, "--no-tokenizer", "--dataset", "jsonl",
                "--dataset-path", str(data), "--num-prompts", "8", "--request-rate", "200",
-               "--seed", "1", "--goodput", "ttft:60000", "--result-json", str(result),
-               "--plot", str(plots), "--disable-tqdm"])
+               "--max-concurrency", "3", "--seed", "1", "--goodput", "ttft:60000",
+               "--result-json", str(result), "--plot", str(plots), "--disable-tqdm"])
     assert rc == 0
     out = json.loads(result.read_text())
-    assert (out["completed"], out["failed"]) == (6, 2)
-    assert out["summary"]["completed"] == 6 and out["request_goodput"] > 0
+    # vLLM's run header, at the top level as `vllm bench serve --save-result` writes it
+    assert out["backend"] == out["endpoint_type"] == "openai" and out["model_id"] == "fake-model"
+    assert out["tokenizer_id"] is None and out["num_prompts"] == 8
+    assert (out["request_rate"], out["burstiness"], out["max_concurrency"]) == (200.0, 1.0, 3)
+    assert len(out["date"]) == len("20260101-120000")
+    assert (out["completed"], out["failed"]) == (6, 2) and out["request_goodput"] > 0
     assert out["total_output_tokens"] == 2 * (3 + 2 + 4) and out["total_input_tokens"] == 6 * 3
-    assert out["errors"] == {"HTTP 400: max_tokens 7 is not allowed": 2}
-    assert len(out["requests"]) == 8 and out["config"]["model"] == "fake-model"
+    # vLLM's per-request lists, one entry per request; errors "" for those that succeeded
+    errors, output_lens = out["errors"], out["output_lens"]
+    assert all(len(out[k]) == 8 for k in ("input_lens", "output_lens", "ttfts", "itls",
+                                          "generated_texts", "errors"))
+    assert sorted(errors) == [""] * 6 + ["HTTP 400: max_tokens 7 is not allowed"] * 2
+    assert sum(output_lens) == out["total_output_tokens"]
+    for error, n, ttft, itls, text in zip(errors, output_lens, out["ttfts"], out["itls"],
+                                          out["generated_texts"], strict=True):
+        assert (n == 0) == bool(error)
+        assert text == "".join(f" t{i}" for i in range(n)) and len(itls) == max(n - 1, 0)
+        assert (ttft > 0) == (n > 0)
+    assert out["error_counts"] == {"HTTP 400: max_tokens 7 is not allowed": 2}
+    # vLLM's default --percentile-metrics ttft,tpot,itl and --metric-percentiles 99
+    latency = {k for k in out if k.endswith("_ms")}
+    assert latency == {f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl")
+                       for s in ("mean", "median", "std", "p99")}
+    # stepserve's own keys
+    assert len(out["requests"]) == 8 and out["config"]["dataset"] == "jsonl"
     assert out["config"]["ignore_eos"] is False  # jsonl: the server decides when to stop
+    assert not {"model", "request_rate", "api_key"} & set(out["config"])
+    assert API_KEY not in result.read_text()
     assert {p.name for p in plots.iterdir()} == {"latency_cdf.png", "timeline.png"}
     assert all(p.stat().st_size > 1000 for p in plots.iterdir())
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "failed x2: HTTP 400" in printed
+    assert "Maximum request concurrency:" in printed and "Request rate configured" in printed
+    assert "P99 ITL (ms):" in printed and "E2EL" not in printed
+
+
+def test_cli_percentile_flags(server: FakeServer, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    result = tmp_path / "pct.json"
+    rc = main(["--base-url", server.url, "--api-key", API_KEY, "--no-tokenizer", "--model", "m",
+               "--num-prompts", "3", "--prompt-len", "4", "--output-len", "5",
+               "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "25,50,99",
+               "--result-json", str(result), "--disable-tqdm"])
+    out = json.loads(result.read_text())
+    assert rc == 0 and out["completed"] == 3
+    latency = {k for k in out if k.endswith("_ms")}
+    assert latency == {f"{s}_{m}_ms" for m in ("ttft", "e2el")
+                       for s in ("mean", "median", "std", "p25", "p50", "p99")}
+    assert out["p25_e2el_ms"] <= out["p50_e2el_ms"] == out["median_e2el_ms"] <= out["p99_e2el_ms"]
+    printed = capsys.readouterr().out
+    assert "P25 TTFT (ms):" in printed and "P50 E2EL (ms):" in printed
+    assert "Median E2EL (ms):" in printed and "ITL" not in printed and "TPOT" not in printed
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--percentile-metrics", "ttft,p99"), ("--metric-percentiles", "99,101"),
+     ("--metric-percentiles", "p99")],
+)
+def test_cli_rejects_bad_percentile_flags(flag: str, value: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-tokenizer", "--model", "m", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err
 
 
 def test_cli_chat_endpoint(server: FakeServer, tmp_path: Path) -> None:
@@ -212,7 +271,8 @@ def test_cli_chat_endpoint(server: FakeServer, tmp_path: Path) -> None:
                "--disable-tqdm"])
     out = json.loads(result.read_text())
     assert rc == 0 and out["completed"] == 2 and out["total_output_tokens"] == 6
-    assert all(len(r["itls"]) == 2 for r in out["requests"])
+    assert out["backend"] == "openai-chat" and out["generated_texts"] == [" t0 t1 t2"] * 2
+    assert all(len(itls) == 2 for itls in out["itls"])
 
 
 def test_cli_rejects_token_prompts_on_chat(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,6 +294,23 @@ def test_cli_synthetic_defaults_to_exact_lengths(server: FakeServer, tmp_path: P
     assert all(len(b["prompt"]) == 6 for b in server.bodies)
     assert out["total_output_tokens"] == sum(b["max_tokens"] for b in server.bodies)
     assert {r["priority"] for r in out["requests"]} <= {0, 3}
+
+
+def test_bench_scripts_read_the_result_file(server: FakeServer, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench.servers.load` runs `stepserve bench` in a child process and reads the result
+    file's top-level keys, E2EL's included although the default table leaves them out."""
+    from bench.servers import load
+
+    keys = ("completed", "failed", "total_output_tokens", "median_ttft_ms", "p99_itl_ms",
+            "median_e2el_ms", "p99_e2el_ms")
+    workload = ["--api-key", API_KEY, "--no-tokenizer", "--num-prompts", "3", "--prompt-len", "4",
+                "--output-len", "3"]
+    got = load(server.url, workload, tmp_path / "load.json", keys, model="fake-model")
+    assert (got["completed"], got["failed"], got["total_output_tokens"]) == (3, 0, 9)
+    assert 0 < got["median_ttft_ms"] < got["median_e2el_ms"] <= got["p99_e2el_ms"]
+    assert got["p99_itl_ms"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().err  # the table, off stdout
 
 
 def test_cli_all_failed_exit_code(server: FakeServer) -> None:
@@ -263,20 +340,23 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, limit_s: flo
     return f"server not ready after {limit_s:.0f}s: {log.read_text()[-2000:]}"
 
 
+INSTANT_WORKER = ("--worker-runner", "worker.execution.instant_runner:InstantRunner",
+                  "--kv-cache-memory", "512MiB")
+
+
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`stepserve serve` on the default model, on a free port (skips if it cannot start)."""
-    if importlib.util.find_spec("service.cli.serve") is None:
-        pytest.skip("service/cli/serve.py does not exist yet: no live stepserve to load")
+    """`stepserve serve` with the instant worker on a free port; fails if it cannot start."""
     port, log = _free_port(), tmp_path_factory.mktemp("live") / "server.log"
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enforce-eager"],
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+                                 *INSTANT_WORKER],
                                 stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
     try:
         why = _wait_ready(proc, url, log, limit_s=300)
         if why is not None:
-            pytest.skip(f"live stepserve could not start: {why}")
+            pytest.fail(f"live stepserve did not start: {why}")
         yield url
     finally:
         proc.terminate()
@@ -292,13 +372,17 @@ def test_live_stepserve(live_server: str, tmp_path: Path) -> None:
     result = tmp_path / "live.json"
     rc = main(["--base-url", live_server, "--num-prompts", "4", "--prompt-len", "16",
                "--output-len", "4", "--request-rate", "inf", "--goodput", "e2el:600000",
-               "--result-json", str(result), "--disable-tqdm"])
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--result-json", str(result),
+               "--disable-tqdm"])
     out = json.loads(result.read_text())
-    assert rc == 0, out["errors"]
-    assert (out["completed"], out["failed"]) == (4, 0)
+    assert rc == 0, out["error_counts"]
+    assert (out["completed"], out["failed"]) == (4, 0) and out["errors"] == [""] * 4
     assert out["request_goodput"] == pytest.approx(out["request_throughput"])
-    for rec in out["requests"]:
-        # Exact-length text prompts, exact output lengths (ignore_eos + min_tokens).
-        assert (rec["prompt_tokens"], rec["output_tokens"]) == (16, 4)
-        assert 0 < rec["ttft"] <= rec["e2el"] and len(rec["itls"]) <= 3
+    assert out["tokenizer_id"] and out["model_id"]
+    # Exact-length text prompts, exact output lengths (ignore_eos + min_tokens).
+    assert out["input_lens"] == [16] * 4 and out["output_lens"] == [4] * 4
+    for ttft, itls, text, rec in zip(out["ttfts"], out["itls"], out["generated_texts"],
+                                     out["requests"], strict=True):
+        assert 0 < ttft <= rec["e2el"] and len(itls) <= 3 and text
     assert out["total_output_tokens"] == 16 and out["mean_ttft_ms"] > 0
+    assert out["median_e2el_ms"] >= out["median_ttft_ms"]

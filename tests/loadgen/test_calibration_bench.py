@@ -1,4 +1,4 @@
-"""The calibration path end to end on the default model: `bench/worker_step.py` measures a
+"""The calibration path end to end on the default model: `bench.worker_step` measures a
 grid of real steps, `stepserve simulate calibrate` fits a profile to them, and the simulator
 runs on that profile. Each check can fail: the written profile must reproduce the reported
 fit error on the measured steps, fit them at least as well as the profile it started
@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from bench_modules import load_bench
 
+from bench import worker_step
 from loadgen.sim.calibrate import StepSample, samples_from_bench
 from loadgen.sim.cli import main as simulate_main
 from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
 
 
-def _worker_step() -> ModuleType:
-    return load_bench("worker_step")
-
-
 def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _worker_step()
-    assert bench.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
+    assert worker_step.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1", "3", "--context", "16", "80", "--chunks", "8", "40",
                        "--chunk-context", "0", "24", "--repeat", "1", "--kv-cache-gib", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     result = out["results"][0]
@@ -84,8 +78,7 @@ def test_worker_step_compares_chunk_attention_on_one_runner(monkeypatch: pytest.
         real(on)
 
     monkeypatch.setattr(ops, "set_chunk_kernel", recording)
-    bench = _worker_step()
-    assert bench.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1",
+    assert worker_step.main(["--dtype", "float32", "--quantization", "none", "--enforce-eager", "--threads", "2", "--batches", "1",
                        "--context", "16", "--chunks", "40", "--chunk-context", "24", "--repeat", "1", "--kv-cache-gib", "1",
                        "--compare-chunk-attention", "--ab-rounds", "2"]) == 0
     ab = json.loads(capsys.readouterr().out)["chunk_attention"]

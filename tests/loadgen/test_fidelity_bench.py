@@ -1,4 +1,4 @@
-"""`bench/fidelity.py` end to end at toy size: calibrate from a worker_step-format file, load
+"""`bench.fidelity` end to end at toy size: calibrate from a worker_step-format file, load
 a live `stepserve serve` on the default model, simulate the same workload, and report both
 side by side (the numbers themselves are the benchmark's job, not the test's)."""
 
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_modules import load_bench
 
+from bench import fidelity
 from loadgen.sim.cost_model import BatchShape, CostModel, get_hardware, get_model_shape
 
 
@@ -25,10 +25,8 @@ def test_fidelity_reports_measured_and_simulated_side_by_side(tmp_path: Path,
     grid = tmp_path / "worker_step.json"
     grid.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "context": 64,
                                 "results": [{"dtype": "float32", "decode": {}, "prefill": {}, "steps": steps}]}))
-    fidelity = load_bench("fidelity")
-
-    fidelity.main(["--bench-json", str(grid), "--worker-args=--enforce-eager", "--num-prompts", "3", "--request-rates", "4",
-                   "--prompt-len", "uniform:16:32", "--output-len", "uniform:4:6", "--threads", "1"])
+    assert fidelity.main(["--bench-json", str(grid), "--worker-args=--enforce-eager", "--num-prompts", "3", "--request-rates", "4",
+                   "--prompt-len", "uniform:16:32", "--output-len", "uniform:4:6", "--threads", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["profile"]["num_samples"] == 5 and report["num_gpu_blocks"] > 0
     [run] = report["runs"]

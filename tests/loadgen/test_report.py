@@ -7,10 +7,13 @@ import math
 import pytest
 
 from loadgen.report import (
+    METRICS,
     RequestRecord,
     error_counts,
     format_table,
     parse_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
     percentile_key,
     summarize,
     token_times_of,
@@ -47,7 +50,7 @@ def test_counts_and_throughput(records: list[RequestRecord]) -> None:
 
 
 def test_latency_statistics(records: list[RequestRecord]) -> None:
-    s = summarize(records, duration=2.0)
+    s = summarize(records, duration=2.0, percentiles=(90.0, 99.0, 99.9))
     assert s["mean_ttft_ms"] == pytest.approx(250.0)
     assert s["median_ttft_ms"] == pytest.approx(250.0)
     assert s["std_ttft_ms"] == pytest.approx(math.sqrt(12500.0))
@@ -70,6 +73,42 @@ def test_vllm_key_names(records: list[RequestRecord]) -> None:
             assert f"{stat}_{metric}_ms" in s
     assert "p90_ttft_ms" not in s
     assert percentile_key(99.0) == "99" and percentile_key(99.9) == "99.9"
+    default = summarize(records, duration=2.0)  # vLLM's default percentiles: 99 alone
+    assert [k for k in default if k.endswith("_ttft_ms")] == [
+        "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
+    ]
+
+
+def test_selected_metrics_only(records: list[RequestRecord]) -> None:
+    """As vLLM: only the selected metrics get keys; median is there without a 50th
+    percentile; the throughput and peak keys do not depend on the selection."""
+    s = summarize(records, 2.0, percentiles=(25.0,), metrics=("ttft", "e2el"))
+    latency = sorted(k for k in s if k.endswith("_ms"))
+    assert latency == sorted(
+        f"{stat}_{m}_ms" for m in ("ttft", "e2el") for stat in ("mean", "median", "std", "p25")
+    )
+    assert s["p25_ttft_ms"] == pytest.approx(175.0)  # 100 + 0.75 * 100
+    assert s["median_ttft_ms"] == pytest.approx(250.0)
+    assert s["completed"] == 4 and s["max_concurrent_requests"] == 3
+    empty = summarize(records, 2.0, percentiles=(), metrics=())
+    assert not [k for k in empty if k.endswith("_ms")]
+    with pytest.raises(ValueError, match="percentile metrics"):
+        summarize(records, 2.0, metrics=("ttft", "latency"))
+    with pytest.raises(ValueError, match="metric percentiles"):
+        summarize(records, 2.0, percentiles=(99.0, 101.0))
+
+
+def test_flag_parsing() -> None:
+    assert parse_percentile_metrics("ttft,tpot,itl,e2el") == METRICS
+    assert parse_percentile_metrics("e2el, ttft,e2el") == ("e2el", "ttft")
+    assert parse_metric_percentiles("25,50,99") == (25.0, 50.0, 99.0)
+    assert parse_metric_percentiles("99.9") == (99.9,)
+    for bad in ("", "ttft,p99", "TTFT"):
+        with pytest.raises(ValueError, match="percentile metrics"):
+            parse_percentile_metrics(bad)
+    for bad in ("", "99,x", "-1", "100.5", "nan"):
+        with pytest.raises(ValueError, match="metric percentiles"):
+            parse_metric_percentiles(bad)
 
 
 @pytest.mark.parametrize(
@@ -115,11 +154,29 @@ def test_error_counts_and_goodput_parsing(records: list[RequestRecord]) -> None:
         summarize(records, 1.0, {"itl": 5.0})
 
 
+def _value(table: str, label: str) -> str:
+    return next(ln for ln in table.splitlines() if ln.startswith(label)).split()[-1]
+
+
 def test_format_table(records: list[RequestRecord]) -> None:
-    table = format_table(summarize(records, 2.0, {"ttft": 250.0}))
+    table = format_table(summarize(records, 2.0, {"ttft": 250.0}, percentiles=(90.0, 99.9)))
     assert "Successful requests:" in table and "Failed requests:" in table
     assert "Request goodput (req/s):" in table
     assert "P99.9 TTFT (ms):" in table and "Mean E2EL (ms):" in table
-    line = next(ln for ln in table.splitlines() if ln.startswith("Mean TTFT"))
-    assert line.split()[-1] == "250.00"
+    assert _value(table, "Mean TTFT") == "250.00" and _value(table, "P90 TTFT") == "370.00"
+    assert _value(table, "Peak concurrent requests:") == "3"
+    assert "Std" not in table  # vLLM's table: mean, median and the percentiles
     assert "Request goodput" not in format_table(summarize(records, 2.0))
+    assert "Maximum request concurrency" not in table and "Request rate configured" not in table
+
+
+def test_format_table_follows_the_selection(records: list[RequestRecord]) -> None:
+    summary = summarize(records, 2.0, percentiles=(25.0, 50.0), metrics=("itl",))
+    table = format_table(summary, max_concurrency=4, request_rate=1.5)
+    sections = [ln.strip("-") for ln in table.splitlines() if ln.startswith("---")]
+    assert sections == ["Inter-token Latency"]
+    labels = [ln.split(" (ms)")[0] for ln in table.splitlines() if "ITL (ms)" in ln]
+    assert labels == ["Mean ITL", "Median ITL", "P25 ITL", "P50 ITL"]
+    assert _value(table, "Maximum request concurrency:") == "4"
+    assert _value(table, "Request rate configured (RPS):") == "1.50"
+    assert "Request rate configured" not in format_table(summary, request_rate=float("inf"))

@@ -1,11 +1,13 @@
-"""`bench/step_time_budget.py`'s arithmetic: per-round ratios against the best fixed budget, and
+"""`bench.step_time_budget`'s arithmetic: per-round ratios against the best fixed budget, and
 figures and ratios merged over rounds (the servers are the benchmark's to run)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
-from bench_modules import load_bench
+from bench import step_time_budget
+from scheduler.config import SchedulerConfig
 
 
 def _run(tokens: float, itl_p99: float) -> dict[str, Any]:
@@ -13,33 +15,27 @@ def _run(tokens: float, itl_p99: float) -> dict[str, Any]:
 
 
 def test_ratios_per_round_and_medians_over_rounds() -> None:
-    bench = load_bench("step_time_budget")
     rounds = [
         {"budget-256": _run(1000, 200), "budget-512": _run(900, 300), "target-100": _run(950, 150)},
         {"budget-256": _run(800, 180), "budget-512": _run(1000, 320), "target-100": _run(970, 190)},
         {"budget-256": _run(1100, 210), "budget-512": _run(1000, 330), "target-100": _run(990, 170)},
     ]
-    per_round = [bench.ratios(r) for r in rounds]
+    per_round = [step_time_budget.ratios(r) for r in rounds]
     assert [r["best_fixed_budget"] for r in per_round] == ["budget-256", "budget-512", "budget-256"]
     assert per_round[0]["target-100"]["throughput_vs_best_fixed"] == 0.95
     assert per_round[1]["target-100"]["beats_every_fixed_on_itl_p99"] is False  # 190 against 180
-    merged = bench.median_ratios(per_round)
+    merged = step_time_budget.median_ratios(per_round)
     assert merged["target-100"]["throughput_vs_best_fixed"] == 0.95  # the median of 0.95, 0.97 and 0.9
     assert merged["target-100"]["beats_every_fixed_on_itl_p99"] == "2 of 3 rounds"
     assert merged["best_fixed_budget"] == ["budget-256", "budget-512", "budget-256"]
-    medians = bench.median_results(rounds)
+    medians = step_time_budget.median_results(rounds)
     assert medians["budget-256"]["total_token_throughput"] == 1000
     assert medians["target-100"]["p99_itl_ms"] == 170
     assert medians["budget-512"]["flags"] == ["--x"] and medians["budget-512"]["median_ttft_ms"] is None
 
 
 def test_configurations_name_their_flags() -> None:
-    import argparse
-
-    bench = load_bench("step_time_budget")
-    from scheduler.config import SchedulerConfig
-
-    configs = dict(bench._configs(argparse.Namespace(budgets=[256], targets=["100", "150:0.5", "default"])))
+    configs = dict(step_time_budget._configs(argparse.Namespace(budgets=[256], targets=["100", "150:0.5", "default"])))
     assert configs["budget-256"] == ["--max-num-batched-tokens", "256", "--max-step-ms", "0"]
     assert configs["target-100"] == ["--max-step-ms", "100"]  # the server's default share
     assert configs["target-150-share-0.5"] == ["--max-step-ms", "150", "--min-prefill-share", "0.5"]
