@@ -6,10 +6,11 @@ until its last byte arrives, so text is only released once the decode of a small
 of recent tokens ends cleanly. `finish()` reconciles with a decode of the whole output,
 so the concatenated deltas always equal ``decode(all_ids)``.
 
-For a Hugging Face fast tokenizer the window lives in Rust (`tokenizers.decoders.DecodeStream`,
-as vLLM v1's fast detokenizer does): one call per token instead of two decodes. It is also
-cheaper per token than one batched decode of every stream's windows, so the engine does not
-batch. Other tokenizers (and a stream the Rust state gives up on) use the same window
+For a tokenizer with a Rust backend (`common.tokenizer.Tokenizer`, or a transformers fast
+tokenizer) the window lives in Rust (`tokenizers.decoders.DecodeStream`, as vLLM v1's fast
+detokenizer does): one call per token instead of two decodes. It is also cheaper per token
+than one batched decode of every stream's windows, so the engine does not batch. Other
+tokenizers (and a stream the Rust state gives up on) use the same window
 algorithm in Python::
 
     ids:    [ ... emitted ... | prefix window | new ids ]
@@ -36,7 +37,9 @@ except ImportError:  # tokenizers < 0.21: the Python window only
 
 
 class Tokenizer(Protocol):
-    """What the service needs from a tokenizer (a Hugging Face tokenizer fits)."""
+    """What the service needs from a tokenizer (`common.tokenizer.Tokenizer`; a transformers
+    tokenizer fits too). One with a `backend_tokenizer` (the Rust `tokenizers.Tokenizer`)
+    is decoded through it."""
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -51,9 +54,9 @@ class Tokenizer(Protocol):
 def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """The one decode used for output text (special tokens skipped, spacing left alone).
 
-    A Hugging Face fast tokenizer is decoded through its Rust backend directly: the same
-    text as ``tokenizer.decode(..., clean_up_tokenization_spaces=False)`` at a quarter of
-    the cost, which matters when every stream decodes at every step.
+    A tokenizer with a Rust backend is decoded through it directly: the same text as
+    ``tokenizer.decode(..., clean_up_tokenization_spaces=False)`` at a quarter of the cost
+    of a transformers decode, which matters when every stream decodes at every step.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:

@@ -1,9 +1,11 @@
 """Incremental detokenization (multi-byte characters, BPE merges; the Rust DecodeStream path,
-the Python window path and the fall-back between them) and stop-string trimming."""
+the Python window path and the fall-back between them; the same deltas as with a transformers
+tokenizer) and stop-string trimming."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,6 +103,22 @@ def test_random_token_sequences_match_full_decode(tokenizer: Any) -> None:
         _, joined = _stream(tokenizer, ids)
         assert joined == decode(tokenizer, ids)
         assert joined == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_deltas_equal_a_transformers_tokenizer(tokenizer: Any, tmp_path: Path) -> None:
+    """The torch-free tokenizer streams the very deltas a transformers fast tokenizer of the
+    same files does, on both paths (DecodeStream and the Python window)."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    rng = random.Random(11)
+    sequences = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
+    sequences += [[rng.randrange(len(tokenizer)) for _ in range(30)] for _ in range(10)]
+    for ids in sequences:
+        for chunk in (1, 3):
+            assert _stream(tokenizer, ids, chunk) == _stream(reference, ids, chunk)
+        assert _stream(PythonOnly(tokenizer), ids) == _stream(PythonOnly(reference), ids)
 
 
 def test_multibyte_character_is_held_until_complete(tokenizer: Any) -> None:
