@@ -1,17 +1,18 @@
 """The engine process's CPU scheduling policy (Linux): `SCHED_BATCH` by default, so that
 a worker output waking the engine does not take a core from the worker's compute thread.
 
-With the worker's OpenMP threads on every core (the default, README: Threads), a step's
-output wakes the engine while both cores are busy: the worker's main thread in its
+With the worker's OpenMP threads on every core (the default, docs/cpu.md: Threads), a
+step's output wakes the engine while both cores are busy: the worker's main thread in its
 `send()` and its helper spinning at the next barrier. Under the default policy the woken
 engine preempts the thread that woke it, so the main thread waits out the engine's whole
 turn (output processing, SSE writes, the next plan: ~0.5 ms a token) before it starts the
 next step. `SCHED_BATCH` (any process may set it on itself, no privilege) differs from
 `SCHED_OTHER` only in that its threads never preempt on wake-up: the engine runs when a
 core frees or the kernel's next tick rebalances, and with two plans in flight the worker
-already holds the next plan, so nothing waits for it. Measured by `bench/engine_cpu_scheduling.py`
-(bench/RESULTS.md). The worker process sets itself back to `SCHED_OTHER` at start
-(`worker.process.main`), since a child inherits its parent's policy.
+already holds the next plan, so nothing waits for it. Measured by
+`bench/engine_cpu_scheduling.py` (docs/cpu.md: CPU scheduling). The worker process sets
+itself back to `SCHED_OTHER` at start (`worker.process.main`), since a child inherits its
+parent's policy.
 """
 
 from __future__ import annotations

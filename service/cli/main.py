@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: stepserve {serve,bench,simulate,view} [options]
+from service.cli.version import package_version
+
+USAGE = """usage: stepserve {serve,bench,simulate,view} [options] | --version
 
   serve      start the OpenAI-compatible server (default model: SmolLM2-135M-Instruct)
   bench      Poisson load generator against an OpenAI-compatible server
@@ -15,10 +17,14 @@ Run `stepserve COMMAND --help` for the options of each command."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit status."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] == "--version":
+        print(package_version())
+        return 0
     command, rest = args[0], args[1:]
     if command == "serve":
         from service.cli.serve import main as serve_main

@@ -1,6 +1,7 @@
-"""`stepserve serve`: flags (named as in `vllm serve`), building the engine, and the process
-lifetime: serve until SIGTERM/SIGINT, drain, stop the worker, exit 0 — or exit 1 when the
-worker dies or the engine cannot start, so a supervisor restarts the server.
+"""`stepserve serve`: reading and checking the flags (named as in `vllm serve`), building the
+engine, and the process lifetime: serve until SIGTERM/SIGINT, drain, stop the worker, exit 0;
+exit 2 for a flag refused (before the port is bound, or by the worker at start-up); exit 1
+when the worker dies or the engine cannot start, so a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -8,60 +9,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from scheduler import flags as scheduler_flags
-from scheduler.config import SchedulerConfig, token_budget
+from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 from scheduler.step_cost import StepCostFn
+from service.cli.args import parse_serve_args
+from service.cli.checks import (
+    CheckedFlags,
+    FlagError,
+    check_serve_flags,
+    worker_config,
+    worker_flag_error,
+)
 from service.cli.cpu_scheduling import apply_engine_cpu_scheduling
-from service.cli.serve_args import build_parser, kv_cache_bytes
+from service.cli.serve_args import build_parser
+from service.cli.stats_log import log_stats
 from service.engine.loop import AsyncEngine
 from service.engine.metrics import ServiceMetrics
 from service.engine.step_cost_feed import StepCostFeed, calibrate, new_model
-from service.http.app import create_app
+from service.http.app import StartupRefused, create_app
+from service.http.protocol import GenerationDefaults
 from service.http.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState, Status
-from worker.config import WorkerConfig, WorkerInfo
+from worker.config import WorkerInfo
 
 log = logging.getLogger("stepserve.server")
 GC_GEN0_THRESHOLD = 10_000  # see freeze_startup_heap
+# aiohttp's access log: client, request line, status, bytes, seconds
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 
 
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    """The worker's settings from the flags."""
-    a = vars(args)
-    return WorkerConfig(
-        model=a["model"],
-        dtype=a["dtype"],
-        quantization=a["quantization"],
-        gguf_activations=a["gguf_activations"],
-        enforce_eager=a["enforce_eager"],
-        batch_invariant=a["batch_invariant"],
-        device=a["device"],
-        block_size=a["block_size"],
-        kv_cache_dtype=a["kv_cache_dtype"],
-        max_model_len=a["max_model_len"],
-        # sizes the CUDA profiling forward, which is capped at the model's length anyway
-        max_num_batched_tokens=_token_budget(args, a["max_model_len"] or 1 << 31),
-        kv_cache_memory=kv_cache_bytes(a["kv_cache_memory"]),
-        gpu_memory_utilization=a["gpu_memory_utilization"],
-        swap_space=a["swap_space"],
-        attention_backend=a["attention_backend"],
-        seed=a["seed"],
-        num_threads=a["num_threads"],
-        helper_cpu_scheduling=a["helper_cpu_scheduling"],
-    )
+@dataclass
+class Refusal:
+    """Where the engine factory leaves a flag the worker refused at start-up (exit 2)."""
 
-
-def _token_budget(args: argparse.Namespace, max_model_len: int) -> int:
-    """--max-num-batched-tokens, or its default for this max model length."""
-    return token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
+    error: FlagError | None = None
 
 
 def scheduler_config(
@@ -89,37 +80,34 @@ def scheduler_config(
     )
 
 
-def engine_factory(args: argparse.Namespace) -> EngineFactory:
-    """Start the worker and load the tokenizer (concurrently), then build the engine."""
+def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
+    """Start the worker and load the tokenizer (concurrently), then build the engine. A
+    setting the worker refuses is left in `refusal` and raised as `StartupRefused`."""
     from common.tokenizer import load_tokenizer
-    from worker.process.client import WorkerClient
+    from worker.process.client import WorkerClient, WorkerStartupError
 
     a = vars(args)
+    load = functools.partial(load_tokenizer, a["model"], chat_template=a["chat_template"])
 
     async def build() -> LoadedEngine:
         worker = WorkerClient(worker_config(args), a["worker_runner"])
-        loop = asyncio.get_running_loop()
-        tokenizer_future = loop.run_in_executor(None, load_tokenizer, a["model"])
+        tokenizer_future = asyncio.get_running_loop().run_in_executor(None, load)
         try:
             info, tokenizer = await asyncio.gather(worker.start(), tokenizer_future)
             step_model = new_model(info)
             await calibrate(worker, info, step_model)
             sched_config = scheduler_config(args, info, step_model)
+        except WorkerStartupError as exc:
+            await worker.shutdown()
+            if exc.field is None:
+                raise
+            refusal.error = worker_flag_error(exc.field, str(exc))
+            raise StartupRefused(str(refusal.error)) from None
         except BaseException:
             await worker.shutdown()
             raise
         name = a["served_model_name"] or info.model_name
-        metrics = ServiceMetrics(name)
-        metrics.set_worker(
-            device=info.device,
-            dtype=info.dtype,
-            quantization=info.quantization,
-            compiled=info.compiled,
-            attention_backend=info.attention_backend,
-            num_threads=info.num_threads,
-            batch_invariant=info.batch_invariant,
-            kv_cache_dtype=info.kv_cache_dtype,
-        )
+        metrics = _metrics(name, info)
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
@@ -129,28 +117,7 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
             metrics=metrics,
             step_time=StepCostFeed(step_model, sched_config.step_time_limit_s, metrics),
         )
-        log.info(
-            "worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV blocks of %d "
-            "tokens (%s)",
-            info.model_name,
-            info.device,
-            info.dtype,
-            info.quantization,
-            info.extra.get("forward", "eager"),
-            info.attention_backend,
-            info.num_threads,
-            info.num_gpu_blocks,
-            info.block_size,
-            info.kv_cache_dtype,
-        )
-        log.info(
-            "step budget: %d tokens, %s; swap copies at %.1f GB/s",
-            sched_config.max_num_batched_tokens,
-            f"{sched_config.max_step_ms:g} ms (prefill share >= {sched_config.min_prefill_share:g})"
-            if sched_config.step_time_limit_s
-            else "no time budget",
-            info.copy_bandwidth / 1e9,
-        )
+        _log_ready(info, sched_config)
         freeze_startup_heap()
         # after the worker started (it would inherit the policy, though it resets its own)
         log.info("%s", apply_engine_cpu_scheduling(a["engine_cpu_scheduling"]))
@@ -159,6 +126,46 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
         )
 
     return build
+
+
+def _metrics(name: str, info: WorkerInfo) -> ServiceMetrics:
+    metrics = ServiceMetrics(name)
+    metrics.set_worker(
+        device=info.device,
+        dtype=info.dtype,
+        quantization=info.quantization,
+        compiled=info.compiled,
+        attention_backend=info.attention_backend,
+        num_threads=info.num_threads,
+        batch_invariant=info.batch_invariant,
+        kv_cache_dtype=info.kv_cache_dtype,
+    )
+    return metrics
+
+
+def _log_ready(info: WorkerInfo, sched_config: SchedulerConfig) -> None:
+    log.info(
+        "worker ready: %s on %s (%s, quantization %s, %s, %s attention, %d threads), %d KV "
+        "blocks of %d tokens (%s)",
+        info.model_name,
+        info.device,
+        info.dtype,
+        info.quantization,
+        info.extra.get("forward", "eager"),
+        info.attention_backend,
+        info.num_threads,
+        info.num_gpu_blocks,
+        info.block_size,
+        info.kv_cache_dtype,
+    )
+    log.info(
+        "step budget: %d tokens, %s; swap copies at %.1f GB/s",
+        sched_config.max_num_batched_tokens,
+        f"{sched_config.max_step_ms:g} ms (prefill share >= {sched_config.min_prefill_share:g})"
+        if sched_config.step_time_limit_s
+        else "no time budget",
+        info.copy_bandwidth / 1e9,
+    )
 
 
 def freeze_startup_heap() -> None:
@@ -179,8 +186,9 @@ def freeze_startup_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, g1, g2)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run the server until a signal (exit 0 after draining) or a failure (exit 1)."""
+async def serve(args: argparse.Namespace, checked: CheckedFlags) -> int:
+    """Run the server until a signal (exit 0 after draining), a refused flag (exit 2) or a
+    failure (exit 1)."""
     a = vars(args)
     config = AppConfig(
         api_key=a["api_key"] or os.environ.get("STEPSERVE_API_KEY") or None,
@@ -189,12 +197,17 @@ async def serve(args: argparse.Namespace) -> int:
         enable_dashboard=not a["disable_dashboard"],
         stream_stall_timeout=a["stream_stall_timeout"],
     )
-    app = create_app(config, engine_factory(args))
+    refusal = Refusal()
+    app = create_app(config, engine_factory(args, refusal), checked.generation_defaults)
     state = app[STATE]
     # After the engine drained, aiohttp waits (up to the same timeout) for handlers to write
     # their last events before it closes connections.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=a["shutdown_timeout"], access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=a["shutdown_timeout"],
+        access_log=None if a["disable_access_log"] else logging.getLogger("aiohttp.access"),
+        access_log_format=ACCESS_LOG_FORMAT,
     )
     await runner.setup()
     try:
@@ -208,6 +221,23 @@ async def serve(args: argparse.Namespace) -> int:
         a["host"],
         a["port"],
     )
+    stats = (
+        None
+        if a["disable_log_stats"]
+        else asyncio.create_task(log_stats(state, a["log_stats_interval"]), name="stepserve-stats")
+    )
+    code = await _serve_until_stopped(state, a["shutdown_timeout"])
+    if stats is not None:
+        stats.cancel()
+    await runner.cleanup()
+    if refusal.error is not None:
+        print_flag_error(refusal.error)
+        return 2
+    return code
+
+
+async def _serve_until_stopped(state: ServiceState, shutdown_timeout: float) -> int:
+    """Wait for SIGTERM/SIGINT (drain, then 0) or a fatal error (1)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,13 +246,11 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for task in waiters:
         task.cancel()
-    code = 1 if state.fatal.is_set() else 0
-    if code == 0:
-        await _drain(state, a["shutdown_timeout"])
-    else:
+    if state.fatal.is_set():
         log.error("exiting: %s", state.error)
-    await runner.cleanup()
-    return code
+        return 1
+    await _drain(state, shutdown_timeout)
+    return 0
 
 
 async def _drain(state: ServiceState, timeout: float) -> None:
@@ -236,24 +264,45 @@ async def _drain(state: ServiceState, timeout: float) -> None:
         log.warning("shutdown timeout: aborted the requests still running")
 
 
+def print_flag_error(error: FlagError, parser: argparse.ArgumentParser | None = None) -> None:
+    """As argparse prints its own errors: the usage line, then `stepserve serve: error: ...`."""
+    if parser is not None:
+        parser.print_usage(sys.stderr)
+    print(f"stepserve serve: error: {error}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `stepserve serve`."""
-    args = build_parser().parse_args(argv)
+    """Entry point of `stepserve serve`: 0 after a drained shutdown, 2 for a refused flag,
+    1 for a failure."""
+    parser = build_parser()
+    args = parse_serve_args(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        _static_scheduler_checks(args)
-    except ValueError as exc:
-        print(f"stepserve serve: error: {scheduler_flags.flag_error(exc)}", file=sys.stderr)
+        checked = check_serve_flags(args)
+    except FlagError as exc:
+        print_flag_error(exc, parser)
         return 2
+    _log_startup(args, checked)
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, checked))
     return 0
 
 
-def _static_scheduler_checks(args: argparse.Namespace) -> SchedulerConfig:
-    """The flag combinations SchedulerConfig can reject before the model loads."""
-    return scheduler_flags.from_args(args, max_model_len=args.max_model_len or 1,
-                                     num_cpu_blocks=1 if args.swap_space > 0 else 0)
+def _log_startup(args: argparse.Namespace, checked: CheckedFlags) -> None:
+    log.info("model: %s", checked.model_path)
+    if args.chat_template is not None:
+        log.info("chat template: --chat-template %s", _short(args.chat_template))
+    defaults, source = checked.generation_defaults, checked.generation_source
+    if defaults == GenerationDefaults():
+        log.info("generation defaults: none (%s); unset request fields take vLLM's", source)
+    else:
+        log.info("generation defaults from %s for unset request fields: %s", source,
+                 defaults.describe())
+
+
+def _short(text: str, limit: int = 60) -> str:
+    one_line = " ".join(text.split())
+    return one_line if len(one_line) <= limit else one_line[: limit - 3] + "..."

@@ -1,5 +1,9 @@
-"""The aiohttp application: factory, routes (declared in one place), middlewares, and the
-engine's lifetime as a `cleanup_ctx`.
+"""The aiohttp application: factory, routes, middlewares, and the engine's lifetime as a
+`cleanup_ctx`.
+
+Routes: the API's are declared in one place, `_routes` below (handlers for /v1 completions in
+`openai_routes.py`); the live view's (/dashboard, its assets, login and record stream) in
+`dashboard_routes.py`, which `add_dashboard` registers unless the dashboard is disabled.
 
 The engine starts in the background so /health can answer 503 while the model loads;
 the v1 routes answer 503 until it is ready. If the engine fails, /health turns 503 and
@@ -23,17 +27,29 @@ from service.engine.metrics import CONTENT_TYPE
 from service.http import openai_routes
 from service.http.dashboard_routes import add_dashboard
 from service.http.errors import APIError, Handler, error_middleware
+from service.http.protocol import GENERATION_DEFAULTS, NO_DEFAULTS, GenerationDefaults
 from service.http.state import STATE, AppConfig, EngineFactory, ServiceState, Status
 
 log = logging.getLogger(__name__)
 
 
-def create_app(config: AppConfig, engine_factory: EngineFactory) -> web.Application:
-    """Build the app; the engine is created by `engine_factory` once the app starts."""
+class StartupRefused(Exception):
+    """Raised by an engine factory whose settings were refused (a flag the worker cannot
+    honour): logged as the message alone, without a traceback."""
+
+
+def create_app(
+    config: AppConfig,
+    engine_factory: EngineFactory,
+    generation_defaults: GenerationDefaults = NO_DEFAULTS,
+) -> web.Application:
+    """Build the app; the engine is created by `engine_factory` once the app starts.
+    `generation_defaults` fill the sampling fields a request leaves unset."""
     app = web.Application(
         client_max_size=config.max_body_size, middlewares=[error_middleware, auth_middleware]
     )
     app[STATE] = ServiceState(config)
+    app[GENERATION_DEFAULTS] = generation_defaults
     app.add_routes(_routes(config))
     if config.enable_dashboard:
         add_dashboard(app)
@@ -106,6 +122,10 @@ async def _start_engine(state: ServiceState, factory: EngineFactory) -> None:
         state.loaded = await factory()
     except asyncio.CancelledError:
         raise
+    except StartupRefused as exc:
+        log.error("engine not started: %s", exc)
+        state.fail(f"start-up refused: {exc}")
+        return
     except Exception as exc:
         log.exception("engine failed to start")
         state.fail(f"start-up failed: {exc}")

@@ -32,7 +32,13 @@ from service.engine.stream import (
 )
 from service.http import responses as R
 from service.http.errors import APIError, bad_request, error_body, unsupported_media_type
-from service.http.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
+from service.http.protocol import (
+    GENERATION_DEFAULTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationDefaults,
+    resolve_max_tokens,
+)
 from service.http.sse import DONE, event, merge, open_event_stream
 from service.http.stall import GuardedWriter
 from service.http.state import STATE, LoadedEngine, ServiceState
@@ -153,12 +159,16 @@ async def _prompt_ids(
 
 
 def _choices(
-    req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], loaded: LoadedEngine
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    loaded: LoadedEngine,
+    defaults: GenerationDefaults,
 ) -> list[_Choice]:
     _check_choice_count(len(prompts), req.n)
     out: list[_Choice] = []
     for p, ids in enumerate(prompts):
-        params = req.sampling_params(resolve_max_tokens(req, len(ids), loaded.max_model_len))
+        max_tokens = resolve_max_tokens(req, len(ids), loaded.max_model_len, defaults.max_tokens)
+        params = req.sampling_params(max_tokens, defaults)
         _check_worker_limits(params, req.n, loaded.vocab_size)
         for i in range(req.n):
             seed = None if params.seed is None else params.seed + i  # siblings must differ
@@ -197,7 +207,7 @@ async def _serve(
     prompts: list[list[int]],
     meta: R.ResponseMeta,
 ) -> web.StreamResponse:
-    choices = _choices(req, prompts, loaded)
+    choices = _choices(req, prompts, loaded, request.app[GENERATION_DEFAULTS])
     engine = loaded.engine
     try:
         engine.check_capacity(len(choices))

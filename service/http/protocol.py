@@ -7,21 +7,65 @@ for the vLLM extensions, those vLLM's `SamplingParams` enforces (top_k >= -1, mi
 repetition_penalty > 0, min_tokens >= 0); a value outside one is a 400 naming the field.
 `SamplingParams` checks what it needs again (and what relates two fields, such as
 min_tokens <= max_tokens). Unknown fields are ignored, as OpenAI clients send extras.
+
+A field a request leaves unset takes the server's `GenerationDefaults` (the model's
+generation_config.json, as vLLM's `--generation-config auto`), else `SamplingParams`' default.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.sampling import SamplingParams
+from scheduler.sampling import SamplingParams, SamplingParamsError
 from service.http.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # matching costs up to O(len) per token in the engine's loop
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults for the requests that leave a field unset (None: no default here)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # generation_config.json's max_new_tokens
+
+    def __post_init__(self) -> None:
+        """Ranges as `SamplingParams` checks them; SamplingParamsError names the field."""
+        SamplingParams(**self.sampling())
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"
+            )
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields that have a default."""
+        return {
+            f.name: v
+            for f in dataclasses.fields(self)
+            if f.name != "max_tokens" and (v := getattr(self, f.name)) is not None
+        }
+
+    def describe(self) -> str:
+        """'temperature=0.6, top_p=0.9' for the start-up log ('none' when nothing is set)."""
+        items = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return ", ".join(f"{k}={v:g}" for k, v in items if v is not None) or "none"
+
+
+NO_DEFAULTS = GenerationDefaults()
+# where `create_app` keeps the server's defaults for the routes
+GENERATION_DEFAULTS = web.AppKey("stepserve_generation_defaults", GenerationDefaults)
 
 
 class StreamOptions(BaseModel):
@@ -97,9 +141,12 @@ class _SamplingRequest(BaseModel):
         """How many top logprobs to return per token (None: no logprobs)."""
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Translate to `SamplingParams`; raises `SamplingParamsError` for out-of-range values."""
-        opt = {
+    def sampling_params(
+        self, max_tokens: int, defaults: GenerationDefaults = NO_DEFAULTS
+    ) -> SamplingParams:
+        """Translate to `SamplingParams`, the unset fields from `defaults`; raises
+        `SamplingParamsError` for out-of-range values."""
+        opt: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -108,6 +155,8 @@ class _SamplingRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        fallback = defaults.sampling()
+        opt = {k: fallback.get(k) if v is None else v for k, v in opt.items()}
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -208,8 +257,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
-def resolve_max_tokens(req: _SamplingRequest, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The completion budget, checked against the context; 400 with the numbers if over."""
+def resolve_max_tokens(
+    req: _SamplingRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int | None = None,
+) -> int:
+    """The completion budget, checked against the context; 400 with the numbers if over.
+    Unset, it is what the context leaves, capped at `default_max_tokens` when given."""
     requested = req.requested_max_tokens()
     param = (
         "max_completion_tokens"
@@ -228,15 +283,17 @@ def resolve_max_tokens(req: _SamplingRequest, num_prompt_tokens: int, max_model_
             param=what,
             code="context_length_exceeded",
         )
-    max_tokens = requested if requested is not None else max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
+    if requested is None:
+        room = max_model_len - num_prompt_tokens
+        return room if default_max_tokens is None else min(room, default_max_tokens)
+    if num_prompt_tokens + requested > max_model_len:
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"{what}, {max_tokens} for the completion). Please reduce the length of the "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"{what}, {requested} for the completion). Please reduce the length of the "
             f"{what} or completion.",
             param=param,
             code="context_length_exceeded",
         )
-    return max_tokens
+    return requested

@@ -3,10 +3,12 @@ config: defaults that depend on other settings, and combinations refused before 
 
 from __future__ import annotations
 
+import argparse
 import gc
 
 import pytest
 
+from service.cli.checks import worker_config
 from service.cli.serve import GC_GEN0_THRESHOLD, freeze_startup_heap, scheduler_config
 from service.cli.serve import main as serve_main
 from service.cli.serve_args import build_parser
@@ -34,7 +36,8 @@ def test_token_budget_defaults_follow_chunked_prefill(capsys: pytest.CaptureFixt
     explicit = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024"])
     assert scheduler_config(explicit, _info(512)).max_num_batched_tokens == 1024
     assert serve_main(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-model-len", "4096"]) == 2
-    assert "--max-num-batched-tokens (1024) must be >= --max-model-len (4096)" in capsys.readouterr().err
+    assert ("argument --max-num-batched-tokens: (1024) must be >= --max-model-len (4096)"
+            in capsys.readouterr().err)
 
 
 def test_policy_flags_reach_the_scheduler_config(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,7 +73,8 @@ def test_aging_and_priority_preemption_flags_reach_the_scheduler(capsys: pytest.
     assert (config.scheduling_policy, config.aging_period, config.priority_preemption_threshold) == ("priority", 2.5, 3)
     # a threshold without the priority policy is refused before the model loads
     assert serve_main(["--priority-preemption-threshold", "3"]) == 2
-    assert "--priority-preemption-threshold needs --scheduling-policy='priority'" in capsys.readouterr().err
+    assert ("argument --priority-preemption-threshold: needs --scheduling-policy='priority'"
+            in capsys.readouterr().err)
     for bad in (["--aging-period", "0"], ["--stream-stall-timeout", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -98,3 +102,21 @@ def test_the_startup_heap_is_frozen_out_of_full_collections() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_each_serve_flag_s_help_is_short() -> None:
+    """A line or two each (details live in docs/cpu.md and the docs); the scheduler's flags
+    are declared, and documented, in scheduler/flags.py."""
+    parser = build_parser()
+    scheduler = next(g for g in parser._action_groups if g.title == "scheduler")
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS) or action in scheduler._group_actions:
+            continue
+        text = action.help % {**vars(action), "prog": parser.prog}
+        assert len(text) <= 130, (action.option_strings, len(text), text)
+
+
+def test_log_level_reaches_the_worker_config() -> None:
+    parser = build_parser()
+    assert worker_config(parser.parse_args([])).log_level == "info"
+    assert worker_config(parser.parse_args(["--log-level", "debug"])).log_level == "debug"

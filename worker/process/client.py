@@ -36,7 +36,12 @@ _EXIT_CODE_WAIT = 0.5  # seconds a death report waits for the exit code
 
 
 class WorkerStartupError(RuntimeError):
-    """The worker could not start; the message is the worker's own (e.g. a bad model path)."""
+    """The worker could not start; the message is the worker's own (e.g. a bad model path).
+    `field` names the `WorkerConfig` field when the worker refused that setting, else None."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class WorkerDiedError(RuntimeError):
@@ -110,7 +115,7 @@ class WorkerClient:
             raise
         if isinstance(message, StartupFailed):
             await self.shutdown()
-            raise WorkerStartupError(message.message)
+            raise WorkerStartupError(message.message, message.field)
         if not isinstance(message, Ready):
             await self.shutdown()
             raise WorkerStartupError(f"unexpected handshake {type(message).__name__}")

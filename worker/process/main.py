@@ -8,6 +8,10 @@ loop and maybe CUDA). Two threads::
                                              the process when the parent is gone)
     main thread:   queue ──▶ runner.execute(plan) ──send──▶ pipe
 
+A runner that cannot start answers `StartupFailed`; when the error refuses a setting (a bad
+model path, `--device cuda` without CUDA: `worker.config.refused_field`), it names the field,
+is logged without a traceback, and the server exits 2 with it as a usage error.
+
 An exception inside a step is logged here with its traceback and answered as an error
 output for that step. The engine treats such an output as fatal (the step may have applied
 part of its plan, and the next plan is already here), so it stops and the server exits
@@ -32,7 +36,7 @@ from multiprocessing.connection import Connection
 from typing import NoReturn, Protocol
 
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
-from worker.config import WorkerConfig, WorkerInfo
+from worker.config import WorkerConfig, WorkerInfo, check_device, refused_field
 from worker.process.messages import (
     ExecuteStep,
     Message,
@@ -83,9 +87,8 @@ def worker_main(
     inbox = _start_inbox(conn)  # started first: it watches the parent during a long load
     runner = _build_runner(conn, config, runner_factory)
     if runner is not None:
-        if (
-            config.helper_cpu_scheduling != "normal"
-        ):  # after start-up: the warm-up has started the pool
+        # after start-up: the warm-up has started the pool
+        if config.helper_cpu_scheduling != "normal":
             from worker.process.cpu_scheduling import (
                 apply_helper_cpu_scheduling,
                 log_watchdog_changes,
@@ -102,7 +105,7 @@ def _setup_process(config: WorkerConfig) -> None:
     # Ctrl-C reaches the whole process group; the parent owns the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
-        level=logging.INFO,
+        level=getattr(logging, config.log_level.upper()),
         format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     _normal_scheduling()
@@ -114,8 +117,8 @@ def _setup_process(config: WorkerConfig) -> None:
 
 def _normal_scheduling() -> None:
     """SCHED_OTHER for this process and the threads it starts: the engine may run under
-    SCHED_BATCH (service.cli.cpu_scheduling), and a child inherits its parent's policy; the compute
-    threads must keep preempting on wake-up."""
+    SCHED_BATCH (service.cli.cpu_scheduling), and a child inherits its parent's policy; the
+    compute threads must keep preempting on wake-up."""
     if hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) != os.SCHED_OTHER:
         try:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -164,12 +167,18 @@ def _parent_gone(why: str) -> NoReturn:
 def _build_runner(conn: Connection, config: WorkerConfig, spec: str) -> Runner | None:
     """Build the runner and answer the handshake; None when start-up failed."""
     try:
+        check_device(config.device)
         runner = load_runner_factory(spec)(config)
         info = runner.info
     except Exception as exc:
-        logger.exception("worker start-up failed (runner factory %s)", spec)
-        _send(conn, StartupFailed(message=f"{type(exc).__name__}: {exc}",
-                                  traceback=traceback.format_exc()))
+        field = refused_field(exc)
+        if field is None:
+            logger.exception("worker start-up failed (runner factory %s)", spec)
+            message = f"{type(exc).__name__}: {exc}"
+        else:
+            logger.error("worker start-up refused %s: %s", field, exc)
+            message = str(exc)
+        _send(conn, StartupFailed(message, traceback.format_exc(), field))
         return None
     logger.info("worker ready: %s on %s, %d KV blocks", info.model_name, info.device,
                 info.num_gpu_blocks)

@@ -32,8 +32,9 @@ class Ready:
 class StartupFailed:
     """Worker -> parent: building the runner raised; the worker exits after sending this."""
 
-    message: str  # "ExceptionType: message"
+    message: str  # "ExceptionType: message"; a refused setting's: the message alone
     traceback: str
+    field: str | None = None  # the WorkerConfig field a refused setting is about; None: a failure
 
 
 @dataclass(frozen=True)
