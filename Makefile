@@ -30,4 +30,4 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m mypy scheduler/
+	$(PY) -m mypy  # scheduler/ and loadgen/sim/, strict (mypy.ini)

@@ -5,8 +5,9 @@
 `request.DEFAULT_TENANT` when none is given). Each prompt token counts once, at
 `fair_prompt_weight`, when it is first computed or found in the prefix cache; each output
 token counts once, at `fair_output_weight`, in the step that samples it (defaults 1 and 2,
-the paper's prices; a sample still in flight when its request finishes is refunded). Tokens recomputed after a preemption are not service: the tenant got
-nothing new from them. `FairnessMeter` keeps these totals under every policy.
+the paper's prices; a sample still in flight when its request finishes is refunded).
+Tokens recomputed after a preemption are not service: the tenant got nothing new from
+them. `FairnessMeter` keeps these totals under every policy.
 
 **Counters** (`FairQueue`, policy "fair"). Tenant t's counter is
 ``c_t = served_t / w_t + lift_t``, with `w_t` its share weight (`tenant_weights`, 1 unless
@@ -22,9 +23,10 @@ the weighted service they receive (each divided by its weight, weights >= 1) sta
 ``2 * max(max price * token budget, the largest request's cost, output price * KV tokens)``
 (`vtc_bound(..., kv_term=True)`): a tenant above the lowest counter gets no admissions,
 but its requests already running keep being served, and those are bounded by what the KV
-cache holds. The issue states the bound without the KV term; random small workloads
-exceed that form (by up to ~1.4x when many requests run at once), so
-`stepserve simulate compare-policies` reports both.
+cache holds. Without the KV term (``2 * max(max price * token budget, the largest
+request's cost)``, `vtc_bound(...)`) the bound is too tight: random small workloads exceed
+it by up to ~1.4x when many requests run at once, so `stepserve simulate compare-policies`
+reports both forms.
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ class Scheduler:
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
-        self._time = (StepTimeBudget(config.step_time_limit_s, config.step_cost, config.block_size,  # type: ignore[arg-type]
-                                     config.min_prefill_share)
-                      if config.step_time_limit_s > 0 else None)
+        cost, limit = config.step_cost, config.step_time_limit_s  # a limit > 0 implies a cost
+        self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share)
+                      if cost is not None and limit > 0 else None)
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -159,19 +159,16 @@ class Scheduler:
 
     def _schedule_deferred(self, step: StepBuilder, prefills: list[Request]) -> None:
         """Running prefills under the time budget, once the step holds every decode."""
+        time_budget = self._time
+        assert time_budget is not None  # only the time budget defers prefills
         for req in prefills:
             if step.budget <= 0:
                 return
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted by an earlier request of this step
             n = self._tokens_for(req, step.budget)
-            n = (
-                self._time.chunk(
-                    step, req.num_computed_tokens, n, req.num_tokens + req.num_placeholders
-                )
-                if n
-                else 0
-            )  # type: ignore[union-attr]
+            end = req.num_tokens + req.num_placeholders
+            n = time_budget.chunk(step, req.num_computed_tokens, n, end) if n else 0
             if n:
                 self._fit(req, n, step, 0)
 
@@ -240,9 +237,7 @@ class Scheduler:
             (step.resumed if rid in self._known_to_worker else step.new_reqs).add(rid)
             self._admit(req, step)
             step.add(req, n, new)
-            self.fairness_meter.charge(
-                req, hit_tokens + n, samples=False
-            )  # now: the next pick sees it
+            self.fairness_meter.charge(req, hit_tokens + n, samples=False)  # the next pick sees it
             # Cache now, so that a sibling admitted later in this step shares these blocks:
             # the worker writes every new KV entry of a layer before attending. Safe because
             # a request admitted here is never unscheduled in the same step.
@@ -283,15 +278,9 @@ class Scheduler:
         if sampling:  # an empty plan may be dropped unsent; it must leave nothing behind
             self._expect_sample[step.step_id] = sampling
         self._last_step = (len(step.scheduled), prefill, decode)
-        self._last_shape = BatchShape(
-            len(step.scheduled),
-            prefill + decode - decodes,
-            decodes,
-            len(sampling),
-            pairs,
-            kv_read,
-            len(step.swap_in) + len(step.swap_out),
-        )
+        self._last_shape = BatchShape(len(step.scheduled), prefill + decode - decodes, decodes,
+                                      len(sampling), pairs, kv_read,
+                                      len(step.swap_in) + len(step.swap_out))
         if self._time is not None and decodes:
             self._time.count_decodes(decodes, decode_kv)
 
@@ -388,12 +377,8 @@ class Scheduler:
         del self.requests[rid]
         if rid in self._known_to_worker:
             self._known_to_worker.discard(rid)
-            ids = (
-                self._aborted_ids
-                if status == RequestStatus.FINISHED_ABORTED
-                else self._finished_ids
-            )
-            ids.add(rid)
+            aborted = status == RequestStatus.FINISHED_ABORTED
+            (self._aborted_ids if aborted else self._finished_ids).add(rid)
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

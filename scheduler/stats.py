@@ -20,9 +20,8 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_swap_preemptions: int  # cumulative, subset of num_preemptions
     num_recompute_tokens: int = 0  # cumulative: computed tokens dropped by recompute preemptions
-    output_len_predictions_scored: int = (
-        0  # cumulative: finished requests whose prediction was scored
-    )
+    # cumulative: finished requests whose prediction was scored
+    output_len_predictions_scored: int = 0
     output_len_prediction_abs_error: float = 0.0  # cumulative |predicted - actual| output tokens
     # The last plan:
     step_num_reqs: int = 0
@@ -32,12 +31,10 @@ class SchedulerStats:
     # The time budget (cumulative):
     num_time_capped_chunks: int = 0  # prefill chunks it shortened
     num_decode_over_target: int = 0  # steps whose decodes alone were predicted over the target
-    step_time_limit: float = (
-        0.0  # seconds: the limit the last prefill chunk beside decodes was sized to
-    )
+    # seconds: the limit the last prefill chunk beside decodes was sized to
+    step_time_limit: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0

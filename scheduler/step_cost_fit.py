@@ -59,12 +59,8 @@ class OnlineStepCost:
             raise ValueError("seed_weight and huber must be > 0 and warmup >= 0")
         if block_bytes < 0 or copy_bandwidth < 0:
             raise ValueError("block_bytes and copy_bandwidth must be >= 0")
-        self.forgetting, self.seed_weight, self.huber, self.warmup = (
-            forgetting,
-            seed_weight,
-            huber,
-            warmup,
-        )
+        self.forgetting, self.seed_weight = forgetting, seed_weight
+        self.huber, self.warmup = huber, warmup
         self.block_bytes, self.copy_bandwidth = block_bytes, copy_bandwidth
         self._live = _Normal()
         self._seed = _Normal()
@@ -83,7 +79,8 @@ class OnlineStepCost:
         """Predicted seconds of a step of this shape."""
         if self._dirty:
             self._refit()
-        return sum(map(mul, self._coef, step_features(batch))) + self.swap_seconds(batch)
+        fitted = sum(c * f for c, f in zip(self._coef, step_features(batch), strict=True))
+        return fitted + self.swap_seconds(batch)
 
     __call__ = predict
 
@@ -240,9 +237,8 @@ def nnls(m: list[list[float]], c: list[float], start: tuple[int, ...] = ()) -> l
         passive[j] = True
         for _ in range(3 * n):
             idx = [i for i in range(n) if passive[i]]
-            sub = solve([[m[i][k] for k in idx] for i in idx], [c[i] for i in idx]) or [0.0] * len(
-                idx
-            )
+            sub = (solve([[m[i][k] for k in idx] for i in idx], [c[i] for i in idx])
+                   or [0.0] * len(idx))
             s = [0.0] * n
             for i, v in zip(idx, sub, strict=True):
                 s[i] = v

@@ -247,12 +247,13 @@ class StepRecorder:
         rec["step_ms"] = None if step_seconds is None else round(step_seconds * 1e3, 4)
         rec["execute_ms"] = round(execute_seconds * 1e3, 4) if execute_seconds else None
         name = self.name
+        ended: list[tuple[str, str | None]] = []  # (request id, finish reason)
         if delivered is not None:
             tokens = delivered.tokens
             rec["first"] = [name(rid) for rid in delivered.first]
-            ended = delivered.finished
+            ended.extend(delivered.finished)
         else:
-            tokens, first, ended = 0, rec["first"], []
+            tokens, first = 0, rec["first"]
             for out in outputs:
                 n = len(out.new_token_ids)
                 if n:
@@ -272,12 +273,8 @@ class StepRecorder:
 
     def _composition(self, plan: SchedulerOutput, rec: Record) -> bool:
         """Fill decode / prefill / new / resumed / swapped_in; True if a block table changed."""
-        counts, keys, decoding, prompt = (
-            plan.num_scheduled_tokens,
-            self._keys,
-            self._decoding,
-            self._prompt,
-        )
+        counts, keys = plan.num_scheduled_tokens, self._keys
+        decoding, prompt = self._decoding, self._prompt
         cached, new_reqs = plan.scheduled_cached_reqs, plan.scheduled_new_reqs
         changed = bool(new_reqs) or any(map(_NEW_BLOCKS, cached))
         others = counts.keys() - decoding
@@ -315,9 +312,8 @@ class StepRecorder:
             prompt[rid] = num_prompt
             rec["prefill"].append([key, n, new.num_computed_tokens])
             if new.num_computed_tokens + n >= num_prompt:
-                decoding.add(
-                    rid
-                )  # its prompt is done: it samples now, and decodes from the next plan
+                # its prompt is done: it samples now, and decodes from the next plan
+                decoding.add(rid)
             req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
             entry = [key, arrival, num_prompt, new.num_computed_tokens]
@@ -333,11 +329,8 @@ class StepRecorder:
 
     def _counts(self, rec: Record) -> None:
         s, pool = self.sched, self.sched.kv.pool
-        rec["running"], rec["waiting"], rec["swapped"] = (
-            len(s.running),
-            len(s.waiting),
-            len(s.swapped),
-        )
+        rec["running"], rec["waiting"] = len(s.running), len(s.waiting)
+        rec["swapped"] = len(s.swapped)
         cached = pool.num_cached_free
         rec["kv"] = [pool.num_used, cached, pool.num_free - cached]
 

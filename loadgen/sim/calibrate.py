@@ -2,10 +2,11 @@
 
 The model is ``t = max(a * FLOPs, b * bytes) + c + d * requests + e * KV tokens read
 + g * [more than one token]`` with a = 1/FLOP/s, b = 1/bandwidth and c, d, e, g the
-per-step, per-request, per-KV-token and multi-token overheads (see `HardwareProfile`). It is linear once each step is known to be compute- or memory-bound, so
-the fit alternates: assign each step to the roof the current parameters say bounds it,
-solve a (relative-error weighted) least-squares problem, repeat until the assignment is
-stable. Several starting points are tried and the best fit kept.
+per-step, per-request, per-KV-token and multi-token overheads (see `HardwareProfile`). It
+is linear once each step is known to be compute- or memory-bound, so the fit alternates:
+assign each step to the roof the current parameters say bounds it, solve a (relative-error
+weighted) least-squares problem, repeat until the assignment is stable. Several starting
+points are tried and the best fit kept.
 
 Input: `bench/worker_step.py` JSON (see `samples_from_bench`), or any list of `StepSample`.
 """
@@ -92,9 +93,8 @@ def _refine(
         new = _solve(f, m, terms, t, compute)
         if new is None:
             break
-        x = np.array(
-            [new[0] or x[0], new[1] or x[1], *new[2:]]
-        )  # an unused roof keeps its previous value
+        # an unused roof keeps its previous value
+        x = np.array([new[0] or x[0], new[1] or x[1], *new[2:]])
         err = rel_rmse(x)
         if err < best[1]:
             best = (x, err)

@@ -2,7 +2,8 @@
 
 stepserve simulate [run flags]                  one run (--strategy continuous|static|padding|all)
 stepserve simulate compare [run flags]          the three strategies side by side
-stepserve simulate sweep --param NAME V1,V2,... | --preset token-budget|kv-capacity|prompt-len|step-time
+stepserve simulate sweep --param NAME V1,V2,...
+                         | --preset token-budget|kv-capacity|prompt-len|step-time
 stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
 stepserve simulate calibrate --from bench_output.json [--out profile.json]
 stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,34 +141,35 @@ def cmd_sweep(argv: list[str]) -> int:
     if preset is not None:
         parser.set_defaults(**preset.defaults)
     args = parser.parse_args(argv)
-    if args.param is None and preset is None:
+    if args.param:
+        name, values = args.param[0], args.param[1].split(",")
+    elif preset is not None:
+        name, values = preset.param, list(preset.values)
+    else:
         parser.error("give --param NAME V1,V2,... or --preset")
-    name, values = (
-        (args.param[0], args.param[1].split(","))
-        if args.param
-        else (preset.param, list(preset.values))
-    )  # type: ignore[union-attr]
     if args.plot:
         require_plots()
     rows = sweep(args, name, values)
-    companion = companion_rows(args, preset) if preset and preset.companion else None
+    # The preset's second sweep, with the step-time target off: (its parameter, its rows).
+    companion = ((preset.companion[0], companion_rows(args, preset))
+                 if preset is not None and preset.companion is not None else None)
     title = f"{preset.name if preset else 'sweep'}: {args.model_shape} on {args.hardware}"
     if args.plot:
         from loadgen.sim.plots import plot_budget_vs_target, plot_sweep
 
         if companion is not None:
-            plot_budget_vs_target(companion, rows, args.plot, title)
+            plot_budget_vs_target(companion[1], rows, args.plot, title)
         else:
             plot_sweep(rows, name, args.plot, title)
     out: dict[str, Any] = {"config": run_config(args), "param": name, "rows": rows}
     if companion is not None:
-        out["companion"] = {"param": preset.companion[0], "max_step_ms": 0, "rows": companion}  # type: ignore[union-attr]
+        out["companion"] = {"param": companion[0], "max_step_ms": 0, "rows": companion[1]}
     if args.json:
         print(_dump(out if companion is not None else rows))
     else:
         print(format_rows(rows, name))
         if companion is not None:
-            print(f"\nwith --max-step-ms 0:\n{format_rows(companion, preset.companion[0])}")  # type: ignore[union-attr]
+            print(f"\nwith --max-step-ms 0:\n{format_rows(companion[1], companion[0])}")
     if args.result_json:
         Path(args.result_json).write_text(_dump(out))
     return 0
@@ -227,9 +230,10 @@ def cmd_calibrate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `stepserve simulate`; returns the exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
-    commands = {"sweep": cmd_sweep, "roofline": cmd_roofline, "calibrate": cmd_calibrate,
-                "compare-policies": policy_lab.main,
-                "compare": lambda rest: cmd_run(rest, compare=True), "run": cmd_run}
+    commands: dict[str, Callable[[list[str]], int]] = {
+        "sweep": cmd_sweep, "roofline": cmd_roofline, "calibrate": cmd_calibrate,
+        "compare-policies": policy_lab.main,
+        "compare": lambda rest: cmd_run(rest, compare=True), "run": cmd_run}
     try:
         if args and args[0] in commands:
             return commands[args[0]](args[1:])

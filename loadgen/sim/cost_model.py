@@ -18,12 +18,15 @@ request's context and written for each new token. Swap copies are serial with th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 # The step's shape and the overhead terms are the scheduler's (its online step-cost fit reads
 # the same ones); re-exported here, where the simulator's callers have always found them.
-from scheduler.step_cost import BatchShape, overhead_terms, swap_time
+from scheduler.step_cost import BatchShape as BatchShape
+from scheduler.step_cost import overhead_terms as overhead_terms
+from scheduler.step_cost import swap_time
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -179,14 +182,14 @@ class HardwareProfile:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> HardwareProfile:
+    def from_dict(cls, data: Mapping[str, float | str]) -> HardwareProfile:
         """A profile from `to_dict`'s keys; the overheads after the first default to 0
         (profiles written before they existed)."""
         required = {
-            name: float(data[name])  # type: ignore[arg-type]
+            name: float(data[name])
             for name in ("peak_flops", "memory_bandwidth", "host_bandwidth", "step_overhead")
         }
-        optional = {name: float(data.get(name, 0.0)) for name in OVERHEADS[1:]}  # type: ignore[arg-type]
+        optional = {name: float(data.get(name, 0.0)) for name in OVERHEADS[1:]}
         return cls(name=str(data.get("name", "custom")), **required, **optional)
 
 

@@ -38,17 +38,24 @@ def plot_timeline(points: list[TimelinePoint], path: str | Path, title: str = ""
     plt.close(fig)
 
 
+def log_scale_suits(x: list[float]) -> bool:
+    """Whether x values are all positive and span a factor of 8 or more."""
+    return bool(x) and min(x) > 0 and max(x) / min(x) >= 8
+
+
 def _values(rows: list[dict[str, Any]]) -> tuple[list[float] | list[str], bool]:
-    """Numeric x values when every value parses, else the labels as they are."""
+    """The x values, numeric when every value parses, else the labels as they are; and
+    whether they suit a log scale."""
     try:
-        return [float(r["value"]) for r in rows], True
+        x = [float(r["value"]) for r in rows]
     except ValueError:
         return [str(r["value"]) for r in rows], False
+    return x, log_scale_suits(x)
 
 
 def plot_sweep(rows: list[dict[str, Any]], param: str, path: str | Path, title: str = "") -> None:
     """Throughput, TTFT, end-to-end latency, ITL, preemptions and KV use against the parameter."""
-    x, numeric = _values(rows)
+    x, log_x = _values(rows)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = (
         ("throughput (output tok/s)", ("output_throughput",), 1.0),
@@ -64,7 +71,7 @@ def plot_sweep(rows: list[dict[str, Any]], param: str, path: str | Path, title: 
             ax.plot(x, y, marker="o", label=key)
         ax.set_ylabel(label)
         ax.set_xlabel(param)
-        if numeric and min(x) > 0 and max(x) / min(x) >= 8:  # type: ignore[type-var,operator]
+        if log_x:
             ax.set_xscale("log", base=2)
         flat = [v for y in ys for v in y]
         if "(s)" in label and min(flat) > 0 and max(flat) / min(flat) > 100:

@@ -13,9 +13,10 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -34,7 +35,7 @@ from loadgen.sim.policy_traces import (
 from loadgen.sim.result import ServicePoint
 from loadgen.sim.setup import cost_model_from_args, scheduler_config_from_args
 from loadgen.sim.simulator import SimLimits, Simulator
-from scheduler.config import VICTIM_POLICIES, SchedulerConfig
+from scheduler.config import VICTIM_POLICIES, SchedulerConfig, VictimPolicy
 
 QUEUE_POLICIES: dict[str, dict[str, Any]] = {
     "fcfs": {"scheduling_policy": "fcfs"},
@@ -44,6 +45,7 @@ QUEUE_POLICIES: dict[str, dict[str, Any]] = {
     "fair": {"scheduling_policy": "fair"},
 }
 DEFAULT_SLO = ("ttft:2000", "tpot:100")
+Name = TypeVar("Name", bound=str)  # a policy, trace or mode name
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Cell:
     trace: str
     point: str
     queue: str
-    victim: str
+    victim: VictimPolicy
     mode: str
 
 
@@ -61,7 +63,7 @@ def cell_config(point: TracePoint, cm: CostModel, cell: Cell) -> SchedulerConfig
     args = argparse.Namespace(**vars(point.args))
     args.preemption_mode = cell.mode  # swap and auto get as many host blocks as device blocks
     base = scheduler_config_from_args(args, point.workload, cm)
-    return dataclasses.replace(base, victim_policy=cell.victim, **QUEUE_POLICIES[cell.queue])  # type: ignore[arg-type]
+    return dataclasses.replace(base, victim_policy=cell.victim, **QUEUE_POLICIES[cell.queue])
 
 
 def run_cell(
@@ -88,17 +90,19 @@ def mix_capacity(spread: float, n: int = 1200, seed: int = 0) -> float:
     )
     if row["unfinished"]:
         raise RuntimeError(f"the capacity run left {row['unfinished']} of {n} requests unfinished")
-    return n / row["duration_s"]
+    return n / float(row["duration_s"])
 
 
-def parse_list(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:
+def parse_list(text: str, allowed: Sequence[Name], what: str) -> list[Name]:
+    """The comma-separated names in `text`, each one of `allowed`."""
+    by_name: dict[str, Name] = {a: a for a in allowed}
     items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
+    bad = [s for s in items if s not in by_name]
     if bad or not items:
         raise ValueError(
             f"{what}: {', '.join(bad) or 'none given'}; choose from {', '.join(allowed)}"
         )
-    return items
+    return [by_name[s] for s in items]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variance-rate",
         type=float,
         default=VARIANCE_RATE,
-        help="length-variance arrivals, req/s (default %(default)s: 90%% of the spread-1 mix's capacity)",
+        help="length-variance arrivals, req/s "
+        "(default %(default)s: 90%% of the spread-1 mix's capacity)",
     )
     p.add_argument("--goodput", nargs="+", default=list(DEFAULT_SLO), metavar="SLO",
                    help="SLOs in ms (default %(default)s)")

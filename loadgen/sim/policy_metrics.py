@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -49,19 +50,19 @@ def longest_wait(stats: list[RequestStat]) -> float:
 
 def aging_margin(stats: list[RequestStat], rate: float) -> float:
     """max over x of (latest arrival first scheduled strictly before x) - (a_x + W_x / rate)."""
-    ran = sorted(
-        (s for s in stats if s.first_scheduled_time is not None),
-        key=lambda s: s.first_scheduled_time,
-    )  # type: ignore[arg-type, return-value]
+    ran = sorted(  # (first scheduled time, stat)
+        ((s.first_scheduled_time, s) for s in stats if s.first_scheduled_time is not None),
+        key=itemgetter(0),
+    )
     worst, latest_before, i = -math.inf, -math.inf, 0
     while i < len(ran):
         j = i
-        while j < len(ran) and ran[j].first_scheduled_time == ran[i].first_scheduled_time:
+        while j < len(ran) and ran[j][0] == ran[i][0]:
             j += 1
-        for s in ran[i:j]:
+        for _, s in ran[i:j]:
             work = s.prompt_len + (s.predicted_output or 0)
             worst = max(worst, latest_before - (s.arrival_time + work / rate))
-        latest_before = max([latest_before, *(s.arrival_time for s in ran[i:j])])
+        latest_before = max([latest_before, *(s.arrival_time for _, s in ran[i:j])])
         i = j
     return worst
 

@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+from loadgen.sim.plots import log_scale_suits  # noqa: E402
 from loadgen.sim.policy_metrics import backlogged_windows  # noqa: E402
 from loadgen.sim.result import ServicePoint  # noqa: E402
 
@@ -21,16 +22,19 @@ PANELS = (("goodput", "goodput (req/s at the SLO)"), ("short_p99_ms", "shortest 
 
 
 def _x(points: list[str]) -> tuple[list[float] | list[str], bool]:
+    """The points as numbers when every one parses, else as labels; and whether they suit a
+    log scale."""
     try:
-        return [float(p) for p in points], True
+        x = [float(p) for p in points]
     except ValueError:
         return points, False
+    return x, log_scale_suits(x)
 
 
 def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
     mine = [r for r in rows if r["trace"] == trace and r["mode"] == rows[0]["mode"]]
     points = list(dict.fromkeys(r["point"] for r in mine))
-    x, numeric = _x(points)
+    x, log_x = _x(points)
     fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(5 * (len(PANELS) + 1), 4))
     for ax, (key, label) in zip(axes, PANELS, strict=False):
         for queue in dict.fromkeys(r["queue"] for r in mine):
@@ -48,7 +52,7 @@ def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
             if any(y is not None for y in ys):
                 ax.plot(x, ys, marker="o", label=queue)
         ax.set(xlabel=trace, ylabel=label)
-        if numeric and min(x) > 0 and max(x) / min(x) >= 8:  # type: ignore[type-var,operator]
+        if log_x:
             ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -68,7 +72,7 @@ def plot_trace(rows: list[dict[str, Any]], trace: str, path: Path) -> Path:
         ]
         victims.plot(x, ys, marker="o", label=victim)
     victims.set(xlabel=trace, ylabel=f"recomputed tokens ({queue})")
-    if numeric and min(x) > 0 and max(x) / min(x) >= 8:  # type: ignore[type-var,operator]
+    if log_x:
         victims.set_xscale("log", base=2)
     victims.legend(fontsize=8)
     victims.grid(alpha=0.3)
@@ -105,7 +109,8 @@ def plot_service_gap(
     ax.set(
         xlabel="virtual time (s)",
         ylabel="weighted tokens served, difference",
-        title="tenant flood: service difference (dashed: VTC bound; shaded: both backlogged under fair)",
+        title="tenant flood: service difference "
+        "(dashed: VTC bound; shaded: both backlogged under fair)",
     )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -9,12 +9,12 @@
   predictor learned per tenant can use. Spread 1 is one app's mix; spread 4 gives means of
   about 9, 38, 151 and 602 tokens (extraction, short answers, chat, long-form). Arrivals
   are Poisson at one rate for every spread, 90% of what the server serves of the spread-1
-  mix (`policy_lab.mix_capacity`): the load it carries comfortably when lengths barely vary. Only the
-  variance changes from point to point, and as it grows the same server serves fewer
-  requests a second (14.3, 11.9, 10.6, 9.9 by the same measure), so spread 1 is stable and
-  spreads 2, 3 and 4 are past that capacity (1.08x, 1.22x, 1.30x): where the queue's order
-  decides who meets the SLO. (The rate was set so after a sweep at 90% of the spread-4
-  capacity had shown that no order can raise goodput much below capacity.)
+  mix (`policy_lab.mix_capacity`): the load it carries comfortably when lengths barely
+  vary. Only the variance changes from point to point, and as it grows the same server
+  serves fewer requests a second (14.3, 11.9, 10.6, 9.9 by the same measure), so spread 1
+  is stable and spreads 2, 3 and 4 are past that capacity (1.08x, 1.22x, 1.30x): where the
+  queue's order decides who meets the SLO. (The rate was set so after a sweep at 90% of
+  the spread-4 capacity had shown that no order can raise goodput much below capacity.)
   Prompts are uniform 32-512 tokens whatever the app.
 - `variance-load`: the largest spread again, at offered loads from 0.8x to 1.4x of its
   own capacity, FCFS and SJF (learned) only: where the order starts to matter for goodput.
@@ -45,9 +45,9 @@ MEAN_OUTPUT = 200
 DECLARED_MAX_TOKENS = 2048
 SPREADS = ("1", "2", "3", "4")
 NUM_APPS = 4
-# Rates from the server's capacity for each mix (`policy_lab.mix_capacity`: what FCFS serves, llama-3.1-8b
-# on an a100-80g with 1024 KV blocks, with every request queued at once);
-# tests/loadgen/test_policy_lab.py measures the first again.
+# Rates from the server's capacity for each mix (`policy_lab.mix_capacity`: what FCFS
+# serves, llama-3.1-8b on an a100-80g with 1024 KV blocks, with every request queued at
+# once); tests/loadgen/test_policy_lab.py measures the first again.
 SPREAD1_CAPACITY = 14.3  # req/s at spread 1
 SPREAD4_CAPACITY = 9.9  # req/s at spread 4
 VARIANCE_RATE = round(0.9 * SPREAD1_CAPACITY, 1)  # req/s (12.9), for every spread

@@ -4,8 +4,9 @@ design notes' examples can be replayed step by step in the dashboard:
 - ``worked-example``: the notes' 5 requests in 6 blocks of 16 tokens under a token budget
   of 8 (tests/scheduler/test_worked_examples.py derives every plan by hand): chunked
   prefill, four recompute preemptions, a request preempting itself.
-- ``thrash``: the scheduler issue's thrash scenario (docs/simulator.md): 100 requests at
-  5 req/s with prompts of up to 2,000 tokens in 200 blocks, recompute preemption.
+- ``thrash``: a KV cache too small for its load ("The thrash scenario" in
+  docs/simulator.md): 100 requests at 5 req/s with prompts of up to 2,000 tokens in 200
+  blocks, recompute preemption.
 
 Flags given next to ``--scenario`` override the scene's.
 """
@@ -21,6 +22,8 @@ from loadgen.workloads import WorkloadRequest
 
 @dataclass(frozen=True)
 class Scenario:
+    """A scene: flag values, and optionally its own requests instead of a drawn workload."""
+
     defaults: dict[str, Any]
     requests: tuple[tuple[str, int, int], ...] = ()  # (id, prompt, output) all at t=0; () = flags
     description: str = field(default="", compare=False)

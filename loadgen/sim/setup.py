@@ -79,7 +79,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--timeline-json",
         default=None,
-        help="every step as a dashboard record (all strategies in one file): play it with `stepserve view FILE`",
+        help="every step as a dashboard record (all strategies in one file): "
+        "play it with `stepserve view FILE`",
     )
     o.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
 
@@ -138,9 +139,9 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
         model = seeded_model(cm)
         config = scheduler_config_from_args(args, workload, cm, model)
         limits = SimLimits(max_steps=args.max_steps, max_time=args.max_time)
-        used = (
-            config.step_time_limit_s > 0 or config.preemption_mode == "auto"
-        )  # else: spare the refits
+        # The scheduler reads the step model only for the time budget and "auto" preemption:
+        # without either, spare the refits.
+        used = config.step_time_limit_s > 0 or config.preemption_mode == "auto"
         return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps,
                          step_model=model if used else None).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding

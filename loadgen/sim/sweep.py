@@ -69,7 +69,8 @@ PRESETS: dict[str, Preset] = {
                 "num_gpu_blocks": 16384,
                 "seed": 0,
             },
-            "larger token budgets prefill faster (TTFT) but put long prefills next to decodes (ITL)",
+            "larger token budgets prefill faster (TTFT) "
+            "but put long prefills next to decodes (ITL)",
         ),
         Preset(
             "kv-capacity",
@@ -83,7 +84,8 @@ PRESETS: dict[str, Preset] = {
                 "max_model_len": 800,
                 "seed": 0,
             },
-            "a small KV cache caps the batch and preempts; capacity buys throughput until compute binds",
+            "a small KV cache caps the batch and preempts; "
+            "capacity buys throughput until compute binds",
         ),
         Preset(
             "prompt-len",
@@ -97,7 +99,8 @@ PRESETS: dict[str, Preset] = {
                 "num_gpu_blocks": 1024,
                 "seed": 0,
             },
-            "longer prompts cost prefill compute and KV; TTFT and preemptions grow, throughput falls",
+            "longer prompts cost prefill compute and KV; "
+            "TTFT and preemptions grow, throughput falls",
         ),
         Preset(
             "step-time",
@@ -112,7 +115,8 @@ PRESETS: dict[str, Preset] = {
                 "num_gpu_blocks": 1456,
                 "seed": 0,
             },
-            "a step-time target bounds ITL p99 near itself; too low starves prefill (TTFT, throughput)",
+            "a step-time target bounds ITL p99 near itself; "
+            "too low starves prefill (TTFT, throughput)",
             companion=("max_num_batched_tokens", ("256", "512", "1024", "2048")),
         ),
     )

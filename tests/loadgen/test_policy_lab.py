@@ -96,7 +96,7 @@ def test_trace_rates_follow_the_measured_capacities() -> None:
     assert VARIANCE_RATE > SPREAD4_CAPACITY
 
 
-def test_sjf_meets_the_issue_targets_at_the_largest_variance() -> None:
+def test_sjf_at_spread_4_gains_1_3x_goodput_2x_short_p99_and_holds_aging_bound() -> None:
     """The lab's headline, as a regression test: at spread 4, SJF (learned) against FCFS
     gains >= 1.3x goodput, cuts the shortest quartile's p99 >= 2x, and nobody is passed by
     a request arriving more than W/rate after it. Nobody waits longer than that window

@@ -1,14 +1,16 @@
-"""The persistent input batch: per-request state kept across steps, the one place a step
-plan is applied to it, and one step's inputs.
+"""The persistent input batch: the worker's per-request state, kept across steps, and the
+arrays and tensors of each step's inputs built from it.
 
-`InputBatch.apply(plan)` is the worker's only plan consumer: every runner (the model, the
-instant stand-in, the tests' mirror) applies plans through it and differs only in the model
-behind it (`worker.execution.step_executor`). Each live request owns a `RequestState` (its tokens,
-sampling params, rng, block table). A
-request in the active batch also owns a row of two persistent numpy arrays (token ids and
-block table), so a step's input ids, positions and cache slots come from a few vectorized
-gathers instead of per-token Python. A preempted request gives its row back and keeps its
-state; it gets a row again when it resumes.
+`InputBatch` does not take plans itself: `worker.execution.step_executor.StepExecutor`
+receives each plan and calls `apply` (a plan's diffs onto the state: frees, preemptions,
+swaps, new requests, block tables), `prepare` (the step's flattened host arrays) and
+`advance` (computed counts, sampled tokens) here; the runner's model builds its device
+tensors with `attention_metadata` and `to_device`. Each live request owns a `RequestState`
+(its tokens, sampling params, rng, block table). A request in the active batch also owns a
+row of two persistent numpy arrays (token ids and block table), so a step's input ids,
+positions and cache slots come from a few vectorized gathers instead of per-token Python.
+A preempted request gives its row back and keeps its state; it gets a row again when it
+resumes.
 
 Positions of one request in one step (n = tokens scheduled)::
 
@@ -135,8 +137,8 @@ class InputBatch:
             )
         if cached.num_computed_tokens != state.num_computed_tokens:
             raise PlanError(
-                f"request {cached.req_id!r}: plan says {cached.num_computed_tokens} computed tokens, "
-                f"the worker has {state.num_computed_tokens}"
+                f"request {cached.req_id!r}: plan says {cached.num_computed_tokens} computed "
+                f"tokens, the worker has {state.num_computed_tokens}"
             )
         if cached.new_block_ids:
             self.set_blocks(state, state.block_ids + list(cached.new_block_ids))
@@ -182,7 +184,8 @@ class InputBatch:
             return
         if len(state.prompt_token_ids) > self.max_model_len:
             raise PlanError(
-                f"request {state.req_id!r}: {len(state.prompt_token_ids)} prompt tokens exceed max_model_len {self.max_model_len}"
+                f"request {state.req_id!r}: {len(state.prompt_token_ids)} prompt tokens exceed "
+                f"max_model_len {self.max_model_len}"
             )
         if not self.free_rows:
             self._grow()
@@ -206,7 +209,8 @@ class InputBatch:
             )
         if len(block_ids) > self.block_table.shape[1]:
             raise PlanError(
-                f"request {state.req_id!r}: {len(block_ids)} blocks exceed the block table width {self.block_table.shape[1]}"
+                f"request {state.req_id!r}: {len(block_ids)} blocks exceed the block table "
+                f"width {self.block_table.shape[1]}"
             )
         state.block_ids = list(block_ids)
         self.block_table[state.row, : len(block_ids)] = block_ids
@@ -256,8 +260,8 @@ class InputBatch:
         for (state, _), seq_len in zip(scheduled, seq_lens.tolist(), strict=True):
             if seq_len > state.num_tokens or cdiv(seq_len, self.block_size) > len(state.block_ids):
                 raise PlanError(
-                    f"request {state.req_id!r}: plan computes up to position {seq_len} but the worker "
-                    f"has {state.num_tokens} tokens and {len(state.block_ids)} blocks"
+                    f"request {state.req_id!r}: plan computes up to position {seq_len} but the "
+                    f"worker has {state.num_tokens} tokens and {len(state.block_ids)} blocks"
                 )
 
     def attention_metadata(self, step: StepInputs) -> AttentionMetadata:

@@ -1,4 +1,5 @@
-"""`StepExecutor`: executes a step plan as diffs on the persistent batch, whatever the model.
+"""`StepExecutor`: the worker's one consumer of step plans. It applies each plan as diffs
+to the persistent input batch and runs the step on whatever model is behind it.
 
     plan ──▶ InputBatch.apply (frees, preemptions, swaps, new and cached requests)
          ──▶ InputBatch.prepare (flattened step)  ──▶ model.run(step) (forward + sampling)
@@ -6,7 +7,9 @@
 
 Every runner is a `StepModel` behind this one executor: the torch model (`ModelRunner`), the
 instant stand-in (`InstantRunner`), the scheduler tests' KV mirror. So the plan logic the
-service tests run on the stand-in is the plan logic the real worker runs.
+service tests run on the stand-in is the plan logic the real worker runs. What each request
+holds and how a step's inputs are built from it is `InputBatch`'s
+(`worker.execution.input_batch`).
 """
 
 from __future__ import annotations
