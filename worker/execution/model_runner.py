@@ -1,8 +1,9 @@
 """`ModelRunner`: loads the model and KV cache, and executes step plans as diffs.
 
 Plans are applied by `worker.execution.step_executor` (the one plan consumer); this runner is
-the model behind it: swaps between the KV cache and its host pool, then one forward over the flattened
-batch, logits for the requests whose chunk reaches their last known token, and the sampler.
+the model behind it: swaps between the KV cache and its host pool, then one forward over the
+flattened batch, logits for the requests whose chunk reaches their last known token, and the
+sampler.
 """
 
 from __future__ import annotations
