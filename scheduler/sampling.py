@@ -36,9 +36,24 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     priority: int = 0  # lower value = more urgent (as in vLLM)
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits before sampling
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # vLLM's allowed_token_ids: only these may be sampled (None: all)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words, as token-id sequences: a word's last token is banned whenever the output
+    # ends with the rest of it (a one-token word is always banned)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(
+            self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids)
+        )
+        self._check_token_controls()
         self._check(
             self.max_tokens >= 1,
             "max_tokens",
@@ -95,6 +110,34 @@ class SamplingParams:
             "seed",
             f"seed must be a 64-bit integer, got {self.seed}",
         )
+
+    def _check_token_controls(self) -> None:
+        bias = self.logit_bias
+        self._check(
+            all(t >= 0 and -100.0 <= b <= 100.0 for t, b in bias),
+            "logit_bias",
+            "logit_bias maps token ids (>= 0) to biases in [-100, 100]",
+        )
+        self._check(
+            len({t for t, _ in bias}) == len(bias), "logit_bias", "logit_bias names a token twice"
+        )
+        allowed = self.allowed_token_ids
+        self._check(
+            allowed is None or (len(allowed) > 0 and all(t >= 0 for t in allowed)),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids (>= 0)",
+        )
+        self._check(
+            all(len(w) > 0 and all(t >= 0 for t in w) for w in self.bad_words_token_ids),
+            "bad_words",
+            "every bad word must tokenize to at least one token",
+        )
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id these parameters name, for a check against the vocabulary."""
+        ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias)]
+        ids += [*(self.allowed_token_ids or ()), *(t for w in self.bad_words_token_ids for t in w)]
+        return ids
 
     @staticmethod
     def _check(ok: bool, param: str, message: str) -> None:
