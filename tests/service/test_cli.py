@@ -151,6 +151,31 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == version
 
 
+def test_a_vllm_users_command_line_serves(tmp_path: Path, start_server: Any) -> None:
+    """`stepserve serve ./model.gguf --max_num_seqs 8 --config cfg.yaml`, as typed: the
+    positional model, an underscore flag and a config file all reach the running server."""
+    from common.model_files import find_default_model
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text("served_model_name: from-config\nmax_model_len: 384\nmax_num_seqs: 2\n")
+    server = start_server(tmp_path, str(find_default_model()), "--max_num_seqs", "8",
+                          "--config", str(config), *INSTANT, "--enable-debug-endpoints")
+    with urllib.request.urlopen(f"{server.url}/v1/models") as resp:
+        card = json.load(resp)["data"][0]
+    assert (card["id"], card["max_model_len"]) == ("from-config", 384)
+    # the positional model is what the worker is told to load (the stand-in worker loads none)
+    args = parse(str(find_default_model()), "--max_num_seqs", "8", "--config", str(config))
+    assert worker_config(args).model == str(find_default_model())
+    body = {"model": "from-config", "prompt": "Hello", "max_tokens": 5}
+    assert _complete(server.url, body)["usage"]["completion_tokens"] == 5
+    # the scheduler's own settings, from the live view's first record: the flag beat the file
+    with urllib.request.urlopen(f"{server.url}/dashboard/stream", timeout=30) as stream:
+        line = next(raw for raw in stream if raw.startswith(b"data: "))
+    hello = json.loads(line[len(b"data: "):])
+    assert hello["max_num_seqs"] == 8
+    assert server.stop() == 0
+
+
 # -- refused before the port is bound --------------------------------------------------------
 
 
