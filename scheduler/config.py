@@ -132,9 +132,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when enable_chunked_prefill is off, or long prompts could "
-                "never run"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off, "
+                "or long prompts could never run"
             )
         if self.priority_preemption_threshold is not None and self.scheduling_policy != "priority":
             raise ValueError("priority_preemption_threshold needs scheduling_policy='priority'")

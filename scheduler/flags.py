@@ -68,127 +68,65 @@ def _tenant_weights(value: str) -> tuple[tuple[str, float], ...]:
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Declare the scheduler's flags (vLLM's names where the concept is the same)."""
+    """Declare the scheduler's flags (vLLM's names where the concept is the same); the docs
+    say more: docs/scheduling.md, docs/step_time_budget.md."""
     d = _DEFAULTS
     g = parser.add_argument_group("scheduler")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=POSITIVE_INT,
-        default=None,
-        help=f"token budget of one step (default {d.max_num_batched_tokens}; with chunked prefill "
-             "off, "
-        "at least the max model length)",
-    )
-    g.add_argument(
-        "--max-step-ms",
-        type=NON_NEGATIVE,
-        default=d.max_step_ms,
-        help="step-time budget: while requests decode, prefill chunks shrink so that a step's "
-             "time, "
-        "as predicted by a cost model fitted online, stays within this many ms; 0: off. Needs "
-        "chunked prefill (default %(default)g)",
-    )
-    g.add_argument(
-        "--min-prefill-share",
-        type=SHARE,
-        default=d.min_prefill_share,
-        help="share of a step's time always left to prefill: where the decodes alone fill "
-        "(1 - share) of --max-step-ms, a step may run to their time / (1 - share); 0: "
-        "--max-step-ms is a cap (default %(default)g)",
-    )
-    g.add_argument("--max-num-seqs", type=POSITIVE_INT, default=d.max_num_seqs,
-                   help="most requests in the running batch (default %(default)s)")
-    g.add_argument(
-        "--max-model-len",
-        type=POSITIVE_INT,
-        default=None,
-        help="context length (serve: the model's, capped at 8192 and at the KV cache; simulate: "
-             "the "
-        "workload's longest prompt + output)",
-    )
-    g.add_argument("--block-size", type=POSITIVE_INT, default=d.block_size,
-                   help="tokens per KV block (default %(default)s)")
-    g.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_chunked_prefill,
-        help="split long prompts across steps (default on)",
-    )
-    g.add_argument(
-        "--long-prefill-token-threshold",
-        type=NON_NEGATIVE_INT,
+    add = g.add_argument
+    add("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
+        help=f"token budget of one step (default {d.max_num_batched_tokens}; without chunked "
+             "prefill, at least the context length)")
+    add("--max-step-ms", type=NON_NEGATIVE, default=d.max_step_ms,
+        help="step-time budget: prefill chunks shrink so a step with decodes stays within it "
+             "(0: off; default %(default)g)")
+    add("--min-prefill-share", type=SHARE, default=d.min_prefill_share,
+        help="share of a step left to prefill where decodes alone fill the budget "
+             "(0: the budget is a cap; default %(default)g)")
+    add("--max-num-seqs", type=POSITIVE_INT, default=d.max_num_seqs,
+        help="most requests in the running batch (default %(default)s)")
+    add("--max-model-len", type=POSITIVE_INT, default=None,
+        help="context length (serve: the model's, capped at 8192 and the KV cache; simulate: "
+             "the longest request)")
+    add("--block-size", type=POSITIVE_INT, default=d.block_size,
+        help="tokens per KV block (default %(default)s)")
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill, help="split long prompts across steps (default on)")
+    add("--long-prefill-token-threshold", type=NON_NEGATIVE_INT,
         default=d.long_prefill_token_threshold,
-        help="cap one prompt's chunk at this many tokens (0: only the token budget caps it)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
+        help="cap one prompt's chunk at this many tokens (0: only the token budget caps it)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
-        help="reuse KV blocks of shared prompt prefixes (default on)",
-    )
-    g.add_argument(
-        "--preemption-mode",
-        choices=("recompute", "swap", "auto"),
-        default=d.preemption_mode,
-        help="what preemption does with the victim's KV: drop and recompute it, swap it to host "
-        "memory, or whichever is predicted cheaper (default %(default)s)",
-    )
+        help="reuse KV blocks of shared prompt prefixes (default on)")
+    add("--preemption-mode", choices=("recompute", "swap", "auto"), default=d.preemption_mode,
+        help="a victim's KV: recompute it, swap it to host memory, or the cheaper of the two "
+             "(default %(default)s)")
     _add_policy_args(g)
     return g
 
 
 def _add_policy_args(g: argparse._ArgumentGroup) -> None:
     d = _DEFAULTS
-    g.add_argument(
-        "--scheduling-policy",
-        choices=SCHEDULING_POLICIES,
-        default=d.scheduling_policy,
-        help="waiting-queue order: fcfs; priority (the request's priority field, aged); sjf "
-             "(shortest "
-        "predicted work first, aged); fair (Virtual Token Counter per `user`) (default "
-        "%(default)s)",
-    )
-    g.add_argument(
-        "--victim-policy",
-        choices=VICTIM_POLICIES,
-        default=d.victim_policy,
-        help="which running request preemption evicts (default: priority under --scheduling-policy "
-        "priority, else newest)",
-    )
-    g.add_argument(
-        "--aging-period",
-        type=POSITIVE,
-        default=d.aging_period,
-        help="priority: seconds of waiting that raise a request one priority level (default "
-             "%(default)s)",
-    )
-    g.add_argument(
-        "--priority-preemption-threshold",
-        type=POSITIVE_INT,
+    add = g.add_argument
+    add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+        help="waiting-queue order: fcfs, priority (aged), sjf (shortest predicted first, aged), "
+             "fair (per `user`)")
+    add("--victim-policy", choices=VICTIM_POLICIES, default=d.victim_policy,
+        help="which running request preemption evicts (default: priority under the priority "
+             "policy, else newest)")
+    add("--aging-period", type=POSITIVE, default=d.aging_period,
+        help="priority: seconds of waiting that raise a request one priority level "
+             "(default %(default)s)")
+    add("--priority-preemption-threshold", type=POSITIVE_INT,
         default=d.priority_preemption_threshold,
-        help="priority: a waiting request preempts the least urgent running one when it is at "
-             "least "
-        "this many levels more urgent (default: never)",
-    )
-    g.add_argument(
-        "--output-len-predictor",
-        choices=PREDICTORS,
-        default=d.output_len_predictor,
-        help="output lengths for sjf and least_remaining: learned (per user and prompt length) or "
-        "max_tokens (default %(default)s)",
-    )
-    g.add_argument(
-        "--sjf-aging-rate",
-        type=POSITIVE,
-        default=d.sjf_aging_rate,
-        help="sjf: tokens of predicted work forgiven per second waited (default %(default)g)",
-    )
-    g.add_argument(
-        "--tenant-weights",
-        type=_tenant_weights,
-        default=d.tenant_weights,
-        help='fair: share weights, e.g. alice=2,bob=1, or a JSON file {"alice": 2}; others weigh 1',
-    )
+        help="priority: a waiting request this many levels more urgent preempts a running one "
+             "(default: never)")
+    add("--output-len-predictor", choices=PREDICTORS, default=d.output_len_predictor,
+        help="output lengths for sjf and least_remaining: learned (per user) or max_tokens "
+             "(default %(default)s)")
+    add("--sjf-aging-rate", type=POSITIVE, default=d.sjf_aging_rate,
+        help="sjf: tokens of predicted work forgiven per second waited (default %(default)g)")
+    add("--tenant-weights", type=_tenant_weights, default=d.tenant_weights,
+        help='fair: share weights, e.g. alice=2,bob=1, or a JSON file {"alice": 2}; others weigh 1')
 
 
 # Flags whose dest is a SchedulerConfig field of the same name and value.

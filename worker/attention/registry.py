@@ -43,13 +43,13 @@ def _flash_attn(
 
     if device.type != "cuda" or dtype not in HALF:
         raise ValueError(
-            f"attention_backend=flash_attn needs a CUDA device and float16/bfloat16, got {device} "
-            f"{dtype}"
+            "attention_backend=flash_attn needs a CUDA device and float16/bfloat16, "
+            f"got {device} {dtype}"
         )
     if not flash_attn_available():
         raise ValueError(
-            "attention_backend=flash_attn, but the flash_attn package cannot be imported (pip "
-            "install flash-attn)"
+            "attention_backend=flash_attn, but the flash_attn package cannot be imported "
+            "(pip install flash-attn)"
         )
     return FlashAttention(block_size)
 

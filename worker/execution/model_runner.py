@@ -78,8 +78,8 @@ def resolve_kv_dtype(
     wanted = DTYPES[name]
     if device.type != "cpu" and wanted != dtype:
         raise ValueError(
-            f"kv_cache_dtype={name}: on {device.type} the KV cache takes the model's dtype "
-            f"({dtype})"
+            f"kv_cache_dtype={name}: on {device.type} the KV cache takes "
+            f"the model's dtype ({dtype})"
         )
     return wanted
 

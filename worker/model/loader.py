@@ -94,8 +94,8 @@ def validate_weights(
             raise ModelLoadError(f"{path}: missing tensor {name} (expected shape {list(shape)})")
         if tuple(weights[name].shape) != shape:
             raise ModelLoadError(
-                f"{path}: tensor {name} has shape {list(weights[name].shape)}, expected "
-                f"{list(shape)}"
+                f"{path}: tensor {name} has shape {list(weights[name].shape)}, "
+                f"expected {list(shape)}"
             )
         out[name] = weights[name]
     if "rope_freqs" in weights:

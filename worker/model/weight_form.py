@@ -53,8 +53,8 @@ class WeightForm:
         )
         if need is not None and self.dtype != need:
             raise ValueError(
-                f"quantization={self.quantization} runs with {str(need)[6:]} activations, got "
-                f"{self.dtype}"
+                f"quantization={self.quantization} runs with {str(need)[6:]} activations, "
+                f"got {self.dtype}"
             )
 
     def prepare(self, weight: Weight) -> Weight:

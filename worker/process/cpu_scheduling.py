@@ -67,8 +67,8 @@ def log_watchdog_changes(logger: logging.Logger, interval: float = 1.0) -> threa
             now = watchdog_stats()
             if now["demotions"] != seen["demotions"]:
                 logger.info(
-                    "worker helper threads starved: SCHED_OTHER (%d times so far, back to "
-                    "SCHED_IDLE %d)",
+                    "worker helper threads starved: SCHED_OTHER "
+                    "(%d times so far, back to SCHED_IDLE %d)",
                     now["demotions"],
                     now["restores"],
                 )
@@ -112,9 +112,8 @@ def apply_helper_cpu_scheduling(name: str) -> str:
         return f"worker helper threads left as they are ({sys.platform} has no SCHED_IDLE)"
     if name == "auto" and not can_leave_idle():
         return (
-            "worker helper threads: SCHED_OTHER (auto needs to move them back from SCHED_IDLE, "
-            "which this "
-            "process may not: CAP_SYS_NICE or RLIMIT_NICE >= 20)"
+            "worker helper threads: SCHED_OTHER (auto needs to move them back from "
+            "SCHED_IDLE, which this process may not: CAP_SYS_NICE or RLIMIT_NICE >= 20)"
         )
     helpers = intra_op_helpers()
     if not helpers:
@@ -138,9 +137,8 @@ def apply_helper_cpu_scheduling(name: str) -> str:
             helpers, WATCHDOG_PERIOD_US, WATCHDOG_STARVED, WATCHDOG_HOLD_MS
         )
         return (
-            f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER while "
-            "starved "
-            f"(watchdog every {WATCHDOG_PERIOD_US / 1000:g} ms)"
+            f"worker helper threads: SCHED_IDLE on {len(helpers)}, back to SCHED_OTHER "
+            f"while starved (watchdog every {WATCHDOG_PERIOD_US / 1000:g} ms)"
         )
     return (
         f"worker helper threads: SCHED_IDLE on {len(helpers)} "
