@@ -169,16 +169,17 @@ def _log_ready(info: WorkerInfo, sched_config: SchedulerConfig) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Move what start-up allocated (modules, the tokenizer, config) out of the collector's
-    reach, and collect the young generation less often.
+    """Move what start-up allocated (modules, the tokenizer, config) out of the collector's reach,
+    and collect the young generation less often.
 
-    A full collection traverses every tracked object: with the tokenizer and the app's
-    modules loaded it took ~140 ms on the serving thread (measured when the tokenizer still
-    came from transformers), every ~10 s under load — a stall every stream sees. Frozen
-    objects are never traversed again (they live as long as the process anyway), so a full collection only walks what serving allocated. Serving allocates in
-    bursts (a step's outputs, events, records) that mostly die young by reference count; a
-    gen-0 threshold of 10,000 instead of 700 collects the survivors a few times a second
-    instead of hundreds of times.
+    A full collection traverses every tracked object: with the tokenizer and the app's modules
+    loaded it took ~140 ms on the serving thread (measured when the tokenizer still came
+    from transformers), every ~10 s under load — a stall every stream sees. Frozen objects
+    are never traversed again (they live as long as the process anyway), so a full
+    collection only walks what serving allocated. Serving allocates in bursts (a step's
+    outputs, events, records) that mostly die young by reference count; a gen-0 threshold of
+    10,000 instead of 700 collects the survivors a few times a second instead of hundreds of
+    times.
     """
     gc.collect()
     gc.freeze()
