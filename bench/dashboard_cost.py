@@ -48,22 +48,9 @@ STEP = "stepserve:step_duration_seconds"
 
 def start_server(port: int, streams: int) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--worker-runner",
-        "worker.execution.instant_runner:InstantRunner",
-        "--kv-cache-memory",
-        "4GiB",
-        "--max-num-seqs",
-        str(streams),
-        "--max-waiting-requests",
-        "100000",
+        sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
+        "--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory",
+        "4GiB", "--max-num-seqs", str(streams), "--max-waiting-requests", "100000",
     ]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -28,14 +28,8 @@ from bench.vs_llamacpp import KEYS, SCENARIOS
 
 POLICIES = ("normal", "batch")
 FIGURES = (
-    "median_tpot_ms",
-    "median_itl_ms",
-    "p99_itl_ms",
-    "median_ttft_ms",
-    "total_token_throughput",
-    "execute_ms",
-    "step_ms",
-    "engine_gap_ms",
+    "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "total_token_throughput",
+    "execute_ms", "step_ms", "engine_gap_ms",
 )
 
 
@@ -49,16 +43,8 @@ def run_server(
         load(
             url,
             [
-                "--num-prompts",
-                "2",
-                "--prompt-len",
-                "32",
-                "--output-len",
-                "32",
-                "--max-concurrency",
-                "1",
-                "--request-rate",
-                "inf",
+                "--num-prompts", "2", "--prompt-len", "32", "--output-len", "32",
+                "--max-concurrency", "1", "--request-rate", "inf",
             ],
             tmp / f"{tag}-warm.json",
             ("completed",),

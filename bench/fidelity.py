@@ -33,14 +33,8 @@ from pathlib import Path
 from bench.servers import ROOT, bench_module_cmd, free_port, load, step_histogram, wait_healthy
 
 KEYS = (
-    "request_throughput",
-    "output_throughput",
-    "median_ttft_ms",
-    "mean_ttft_ms",
-    "median_tpot_ms",
-    "median_e2el_ms",
-    "num_busy_steps",
-    "mean_step_ms",
+    "request_throughput", "output_throughput", "median_ttft_ms", "mean_ttft_ms", "median_tpot_ms",
+    "median_e2el_ms", "num_busy_steps", "mean_step_ms",
 )
 # The calibration grid: decode batches at a short and a long context, prefill chunks fresh and
 # after a cached prefix, so the fit can tell per-step, per-request and per-KV-token costs apart.
@@ -106,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = tmp / "cpu_profile.json"
     _run(
         [
-            "-m",
-            "service.cli",
-            "simulate",
-            "calibrate",
-            "--from",
-            str(step_json),
-            "--out",
+            "-m", "service.cli", "simulate", "calibrate", "--from", str(step_json), "--out",
             str(profile),
         ]
     )
@@ -122,16 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--enable-debug-endpoints",
-            "--num-threads",
-            str(args.threads),
-            *sched,
+            sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+            "--enable-debug-endpoints", "--num-threads", str(args.threads), *sched,
             *args.worker_args,
         ],
         cwd=ROOT,

@@ -66,25 +66,10 @@ def start_server(max_seqs: int, extra: list[str], profile: Path | None = None) -
     port = free_port()
     python = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
     cmd = [
-        *python,
-        "-m",
-        "service.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--worker-runner",
-        "worker.execution.instant_runner:InstantRunner",
-        "--kv-cache-memory",
-        "16GiB",
-        "--max-num-seqs",
-        str(max_seqs),
-        "--max-num-batched-tokens",
-        "8192",
-        "--max-waiting-requests",
-        "100000",
-        *extra,
+        *python, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "warning",
+        "--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory",
+        "16GiB", "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", "8192",
+        "--max-waiting-requests", "100000", *extra,
     ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -87,17 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in ("fresh", "workspace"):
         out = subprocess.run(
             bench_module_cmd(
-                "gather_workspace",
-                "--variant",
-                variant,
-                "--batch",
-                str(args.batch),
-                "--context",
-                str(args.context),
-                "--steps",
-                str(args.steps),
-                "--threads",
-                str(args.threads),
+                "gather_workspace", "--variant", variant, "--batch", str(args.batch), "--context",
+                str(args.context), "--steps", str(args.steps), "--threads", str(args.threads),
             ),
             cwd=ROOT,
             check=True,

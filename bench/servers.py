@@ -49,14 +49,7 @@ def cpu_info() -> dict[str, Any]:
     )
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     wanted = (
-        "avx2",
-        "fma",
-        "avx512f",
-        "avx512bw",
-        "avx512_vnni",
-        "avx512_bf16",
-        "avx_vnni",
-        "amx_tile",
+        "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
         "amx_bf16",
     )
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
@@ -109,15 +102,8 @@ def llama_server_binary(given: str | None) -> Path | None:
 def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
     """`stepserve serve` on `port` with `threads` worker threads and extra `flags`."""
     return [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--num-threads",
-        str(threads),
-        *flags,
+        sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--num-threads",
+        str(threads), *flags,
     ]
 
 

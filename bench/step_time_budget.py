@@ -44,30 +44,15 @@ from bench.servers import (
 from scheduler.config import SchedulerConfig
 
 KEYS = (
-    "total_token_throughput",
-    "output_throughput",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "median_itl_ms",
-    "p99_itl_ms",
-    "completed",
-    "failed",
-    "duration",
+    "total_token_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+    "p99_itl_ms", "completed", "failed", "duration",
 )
 
 
 def _workload(args: argparse.Namespace) -> list[str]:
     return [
-        "--num-prompts",
-        str(args.num_prompts),
-        "--prompt-len",
-        args.prompt_len,
-        "--output-len",
-        args.output_len,
-        "--seed",
-        str(args.seed),
-        "--request-rate",
-        "inf",
+        "--num-prompts", str(args.num_prompts), "--prompt-len", args.prompt_len, "--output-len",
+        args.output_len, "--seed", str(args.seed), "--request-rate", "inf",
     ]
 
 

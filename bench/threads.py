@@ -98,13 +98,7 @@ def measure(
         # a combination that hangs (spinning barriers starved by the neighbour) is reported,
         # not waited for
         done = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300,
         )
     except subprocess.TimeoutExpired:
         return {"error": "no result in 300 s"}

@@ -355,15 +355,8 @@ _OP_GROUPS = (  # profiler op names (substrings) -> group; first match wins
     (
         "matmul",
         (
-            "lowbit_linear",
-            "aten::mm",
-            "aten::addmm",
-            "aten::bmm",
-            "_weight_int8pack_mm",
-            "_weight_int4pack_mm",
-            "mkldnn",
-            "aten::linear",
-            "aten::matmul",
+            "lowbit_linear", "aten::mm", "aten::addmm", "aten::bmm", "_weight_int8pack_mm",
+            "_weight_int4pack_mm", "mkldnn", "aten::linear", "aten::matmul",
         ),
     ),
 )

@@ -22,16 +22,8 @@ from loadgen.distributions import LengthDist, PriorityMix, arrival_times
 from loadgen.prompts import PromptBuilder
 
 __all__ = [
-    "LengthDist",
-    "PriorityMix",
-    "PromptBuilder",
-    "WorkloadRequest",
-    "add_workload_args",
-    "arrival_times",
-    "from_jsonl",
-    "from_sharegpt",
-    "shared_prefix",
-    "synthetic",
+    "LengthDist", "PriorityMix", "PromptBuilder", "WorkloadRequest", "add_workload_args",
+    "arrival_times", "from_jsonl", "from_sharegpt", "shared_prefix", "synthetic",
     "workload_from_args",
 ]
 

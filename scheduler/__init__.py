@@ -15,17 +15,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
 
 __all__ = [
-    "CachedRequestData",
-    "ModelRunnerOutput",
-    "NewRequestData",
-    "Request",
-    "RequestOutput",
-    "RequestStatus",
-    "SamplingParams",
-    "SamplingParamsError",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerOutput",
-    "SchedulerStats",
-    "TokenLogprobs",
+    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request", "RequestOutput",
+    "RequestStatus", "SamplingParams", "SamplingParamsError", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput", "SchedulerStats", "TokenLogprobs",
 ]

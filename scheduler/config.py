@@ -19,11 +19,7 @@ VictimPolicy = Literal["newest", "priority", "fewest_output", "least_remaining",
 Predictor = Literal["learned", "max_tokens"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "sjf", "fair")
 VICTIM_POLICIES: tuple[VictimPolicy, ...] = (
-    "newest",
-    "priority",
-    "fewest_output",
-    "least_remaining",
-    "largest_kv",
+    "newest", "priority", "fewest_output", "least_remaining", "largest_kv",
 )
 PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
@@ -90,10 +86,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "max_model_len",
-            "block_size",
+            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
             "num_gpu_blocks",
         )
         for name in positive:

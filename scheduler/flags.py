@@ -131,21 +131,10 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
 
 # Flags whose dest is a SchedulerConfig field of the same name and value.
 FLAG_FIELDS = (
-    "max_step_ms",
-    "min_prefill_share",
-    "max_num_seqs",
-    "block_size",
-    "enable_chunked_prefill",
-    "long_prefill_token_threshold",
-    "enable_prefix_caching",
-    "preemption_mode",
-    "scheduling_policy",
-    "victim_policy",
-    "aging_period",
-    "priority_preemption_threshold",
-    "output_len_predictor",
-    "sjf_aging_rate",
-    "tenant_weights",
+    "max_step_ms", "min_prefill_share", "max_num_seqs", "block_size", "enable_chunked_prefill",
+    "long_prefill_token_threshold", "enable_prefix_caching", "preemption_mode", "scheduling_policy",
+    "victim_policy", "aging_period", "priority_preemption_threshold", "output_len_predictor",
+    "sjf_aging_rate", "tenant_weights",
 )
 
 

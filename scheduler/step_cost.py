@@ -50,13 +50,8 @@ class BatchShape:
 
     def copy(self) -> BatchShape:
         return BatchShape(
-            self.num_reqs,
-            self.num_prefill_tokens,
-            self.num_decode_tokens,
-            self.num_sampled,
-            self.attention_pairs,
-            self.kv_tokens_read,
-            self.swap_blocks,
+            self.num_reqs, self.num_prefill_tokens, self.num_decode_tokens, self.num_sampled,
+            self.attention_pairs, self.kv_tokens_read, self.swap_blocks,
         )
 
 

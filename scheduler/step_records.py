@@ -94,14 +94,9 @@ def scheduler_hello(sched: Scheduler, **extra: Any) -> Record:
     """`hello` for a run of the real scheduler."""
     c = sched.config
     return hello(
-        c.num_gpu_blocks,
-        c.block_size,
-        c.max_num_batched_tokens,
-        max_num_seqs=c.max_num_seqs,
-        policy=c.scheduling_policy,
-        preemption_mode=c.preemption_mode,
-        prefix_caching=c.enable_prefix_caching,
-        **extra,
+        c.num_gpu_blocks, c.block_size, c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+        policy=c.scheduling_policy, preemption_mode=c.preemption_mode,
+        prefix_caching=c.enable_prefix_caching, **extra,
     )
 
 

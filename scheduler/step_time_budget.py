@@ -114,11 +114,8 @@ class StepTimeBudget:
     def count_decodes(self, num_decodes: int, kv_tokens: int) -> None:
         """After a step is planned: its `num_decodes` decodes read `kv_tokens` in all."""
         decodes = BatchShape(
-            num_reqs=num_decodes,
-            num_decode_tokens=num_decodes,
-            num_sampled=num_decodes,
-            attention_pairs=kv_tokens,
-            kv_tokens_read=kv_tokens,
+            num_reqs=num_decodes, num_decode_tokens=num_decodes, num_sampled=num_decodes,
+            attention_pairs=kv_tokens, kv_tokens_read=kv_tokens,
         )
         if self.cost(decodes) > self.target:
             self.num_decode_over_target += 1

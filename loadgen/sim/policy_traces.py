@@ -188,8 +188,7 @@ def flood_trace(scale: float) -> Trace:
     n = _scaled(1000, scale)
     args = base_args(num_prompts=n, max_model_len=768, num_gpu_blocks=1024)
     trace = Trace(
-        "tenant-flood",
-        "trace",
+        "tenant-flood", "trace",
         "two tenants; 'flood' sends 4x 'steady' and together they ask for about 3x capacity",
         record_service=True,
     )

@@ -57,10 +57,7 @@ class _FixedBatchRun:
         recorder: FixedBatchRecorder | None = None,
     ) -> None:
         self.cm, self.cfg, self.streaming, self.record_timeline = (
-            cm,
-            cfg,
-            streaming,
-            record_timeline,
+            cm, cfg, streaming, record_timeline,
         )
         self.recorder = recorder
         cap = cfg.kv_capacity_tokens
@@ -116,12 +113,7 @@ class _FixedBatchRun:
             blocks = rows * cdiv(padded_len, self.cfg.block_size)
             self.timeline.append(
                 TimelinePoint(
-                    self.now,
-                    rows,
-                    self.waiting(queued_after),
-                    0,
-                    blocks,
-                    batch.num_prefill_tokens,
+                    self.now, rows, self.waiting(queued_after), 0, blocks, batch.num_prefill_tokens,
                     batch.num_decode_tokens,
                 )
             )

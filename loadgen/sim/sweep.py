@@ -26,18 +26,9 @@ WORKLOAD_PARAMS = {"request_rate": float, "num_prompts": int, "burstiness": floa
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _OTHER_PARAMS = {"scheduling_policy", "batch_size", "batch_timeout", "max_step_ms"}
 ROW_KEYS = (
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "median_ttft_ms",
-    "p99_ttft_ms",
-    "median_e2el_ms",
-    "p99_e2el_ms",
-    "median_tpot_ms",
-    "p99_itl_ms",
-    "num_preemptions",
-    "mean_kv_cache_usage",
-    "unfinished",
+    "request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms",
+    "p99_ttft_ms", "median_e2el_ms", "p99_e2el_ms", "median_tpot_ms", "p99_itl_ms",
+    "num_preemptions", "mean_kv_cache_usage", "unfinished",
 )
 
 

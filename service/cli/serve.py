@@ -69,14 +69,9 @@ def scheduler_config(
         max_model_len = pool_tokens
     bandwidth = {"swap_bandwidth": info.copy_bandwidth} if info.copy_bandwidth > 0 else {}
     return scheduler_flags.from_args(
-        args,
-        max_model_len=max_model_len,
-        block_size=info.block_size,
-        num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks,
-        kv_bytes_per_token=info.kv_bytes_per_token,
-        step_cost=step_cost,
-        **bandwidth,
+        args, max_model_len=max_model_len, block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks, num_cpu_blocks=info.num_cpu_blocks,
+        kv_bytes_per_token=info.kv_bytes_per_token, step_cost=step_cost, **bandwidth,
     )
 
 
@@ -131,13 +126,9 @@ def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
 def _metrics(name: str, info: WorkerInfo) -> ServiceMetrics:
     metrics = ServiceMetrics(name)
     metrics.set_worker(
-        device=info.device,
-        dtype=info.dtype,
-        quantization=info.quantization,
-        compiled=info.compiled,
-        attention_backend=info.attention_backend,
-        num_threads=info.num_threads,
-        batch_invariant=info.batch_invariant,
+        device=info.device, dtype=info.dtype, quantization=info.quantization,
+        compiled=info.compiled, attention_backend=info.attention_backend,
+        num_threads=info.num_threads, batch_invariant=info.batch_invariant,
         kv_cache_dtype=info.kv_cache_dtype,
     )
     return metrics

@@ -139,10 +139,7 @@ class AsyncEngine:
             request_id, len(prompt_token_ids), self.abort, self.output.max_buffered_tokens
         )
         req = Request(
-            request_id,
-            list(prompt_token_ids),
-            sampling_params,
-            now,
+            request_id, list(prompt_token_ids), sampling_params, now,
             eos_token_ids=self.eos_token_ids,
         )
         if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
@@ -164,10 +161,7 @@ class AsyncEngine:
     ) -> AsyncIterator[StreamDelta]:
         """Submit and yield the request's deltas; leaving early aborts it."""
         stream = self.submit(
-            prompt_token_ids,
-            sampling_params,
-            request_id,
-            stop=stop,
+            prompt_token_ids, sampling_params, request_id, stop=stop,
             include_stop_str_in_output=include_stop_str_in_output,
         )
         try:
@@ -301,10 +295,7 @@ class AsyncEngine:
             if not step.plan.is_empty:
                 duration = now - max(step.submitted, self._last_output_time)
                 self.metrics.observe_step(
-                    step.plan.num_reqs,
-                    step.prefill_tokens,
-                    step.decode_tokens,
-                    duration,
+                    step.plan.num_reqs, step.prefill_tokens, step.decode_tokens, duration,
                     output.execute_time,
                 )
         self._last_output_time = now

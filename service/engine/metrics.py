@@ -25,43 +25,11 @@ from scheduler.stats import SchedulerStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
 )
 _REQUEST_BUCKETS = (
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    60.0,
-    120.0,
-    300.0,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
 )
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -179,9 +147,7 @@ class ServiceMetrics:
         )
         # vLLM's cache_config_info idiom: constant labels that say how the worker runs
         self.worker = Info(
-            "stepserve:worker",
-            "How the worker runs the model (chosen at start-up).",
-            labels,
+            "stepserve:worker", "How the worker runs the model (chosen at start-up).", labels,
             registry=r,
         ).labels(model_name)
 

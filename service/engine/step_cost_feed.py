@@ -30,26 +30,8 @@ log = logging.getLogger("stepserve.step_time")
 
 CALIBRATION_TIME_LIMIT = 3.0  # seconds of calibration steps at most; later shapes are skipped
 _BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.6,
-    0.8,
-    1.0,
-    1.5,
-    2.5,
-    5.0,
-    10.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0,
+    1.5, 2.5, 5.0, 10.0,
 )
 
 
@@ -179,10 +161,8 @@ class _StepTimeMetrics:
         self._coef_model: OnlineStepCost | None = None
         self.model_name = model_name
         self.capped = Counter(
-            "stepserve:step_prefill_time_capped",
-            "Prefill chunks shortened by the time budget.",
-            labels,
-            registry=registry,
+            "stepserve:step_prefill_time_capped", "Prefill chunks shortened by the time budget.",
+            labels, registry=registry,
         ).labels(model_name)
         self.over = Counter("stepserve:step_decode_over_target",
                             "Steps whose decodes alone were predicted over --max-step-ms "

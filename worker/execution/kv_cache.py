@@ -42,11 +42,7 @@ class KVCache:
         self.block_size = block_size
         self.block_bytes = bytes_per_block(config, block_size, dtype)
         shape = (
-            config.num_hidden_layers,
-            2,
-            num_blocks,
-            block_size,
-            config.num_key_value_heads,
+            config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads,
             config.head_dim,
         )
         # zeros, not empty: padded attention reads masked slots, and NaN garbage would leak through

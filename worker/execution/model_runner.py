@@ -128,10 +128,7 @@ class ModelRunner(PlanRunner):
         )
         self.model_config = model_config
         backend = make_attention_backend(
-            config.attention_backend,
-            self.device,
-            config.block_size,
-            self.dtype,
+            config.attention_backend, self.device, config.block_size, self.dtype,
             config.batch_invariant,
         )
         if config.batch_invariant and (
@@ -257,11 +254,7 @@ class ModelRunner(PlanRunner):
         else:
             blocks = num_cpu_blocks(self.config.kv_cache_memory, block_bytes)
         return KVCache(
-            self.model_config,
-            blocks,
-            self.config.block_size,
-            self.kv_dtype,
-            self.device,
+            self.model_config, blocks, self.config.block_size, self.kv_dtype, self.device,
             self.config.swap_space,
         )
 
