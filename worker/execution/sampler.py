@@ -4,13 +4,24 @@ Order of operations, per row::
 
     raw logits ──▶ logprobs (log-softmax of the raw logits, when asked)
         │
-        ▼ min_tokens: EOS and stop token ids banned until a row has min_tokens outputs
+        ▼ bans (-inf): every token outside allowed_token_ids; the last token of each bad
+        │   word whose other tokens end the output; EOS and stop token ids while the row
+        │   has fewer than min_tokens outputs
+        ▼ logit_bias: added to the logits
         ▼ penalties: repetition (prompt + output tokens), frequency and presence (output)
         ├──▶ greedy rows (temperature 0 or top-k 1): argmax
         ▼ random rows: temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ exponential race
 
+This is vLLM v1's order. A ban is -inf and a bias finite, so a banned token stays banned
+whatever its bias; the bias comes before the penalties, so a repetition penalty scales a
+biased logit. The returned logprobs are those of the raw logits: they show neither bans
+nor bias (vLLM's default). Bad words match the output tokens only, not the prompt (vLLM).
+A row whose bans would leave no token at all (its allowed ids are all bad words, say)
+keeps only its allowed_token_ids for that step: the request contradicts itself, and the
+allow-list is the one control that says what may be sampled.
+
 Every stage runs only on the rows that use it, and is skipped when no row does: an
-all-greedy batch without penalties or logprobs is a single argmax.
+all-greedy batch without token controls, penalties or logprobs is a single argmax.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
         )
-        logits = apply_min_tokens(logits, meta)
+        logits = apply_token_controls(logits, meta)
         logits = apply_penalties(logits, meta)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         if len(greedy) == len(params):
@@ -139,21 +150,92 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 
 
-def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Ban stop tokens (EOS unless ignore_eos, and stop_token_ids) on rows that have fewer
-    than min_tokens outputs, so the model cannot "stop" before it is allowed to (vLLM)."""
-    rows: list[int] = []
-    cols: list[int] = []
+def apply_token_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Bans (allowed_token_ids, bad words, min_tokens), then logit_bias, on the rows that use
+    them. Returns `logits` itself when no row uses any, else a new tensor."""
+    vocab = logits.shape[-1]
+    allowed_rows: list[int] = []
+    ban_rows: list[int] = []
+    ban_cols: list[int] = []
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
     for i, p in enumerate(meta.params):
-        if p.min_tokens and len(meta.output_token_ids[i]) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(meta.eos_token_ids))
-            rows += [i] * len(banned)
-            cols += banned
-    if not rows:
+        if p.allowed_token_ids is not None or p.bad_words_token_ids or p.logit_bias:
+            _check_vocab(p, vocab)
+        if p.allowed_token_ids is not None:
+            allowed_rows.append(i)
+        banned = _banned_ids(p, meta.output_token_ids[i], meta.eos_token_ids)
+        if banned and not _bans_leave_nothing(p, banned, vocab):
+            ban_rows += [i] * len(banned)
+            ban_cols += banned
+        for token, bias in p.logit_bias:
+            bias_rows.append(i)
+            bias_cols.append(token)
+            bias_vals.append(bias)
+    if not (allowed_rows or ban_rows or bias_rows):
         return logits
     logits = logits.clone()
-    logits[rows, cols] = float("-inf")
+    if allowed_rows:
+        _keep_only_allowed(logits, allowed_rows, meta.params)
+    if ban_rows:
+        logits[ban_rows, ban_cols] = float("-inf")
+    if bias_rows:
+        device = logits.device
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
+        logits.index_put_(index, torch.tensor(bias_vals, dtype=logits.dtype, device=device),
+                          accumulate=True)
     return logits
+
+
+def _banned_ids(
+    params: SamplingParams, output: list[int], eos_token_ids: tuple[int, ...]
+) -> set[int]:
+    """Token ids banned at this step: bad words' last tokens, and stop ids under min_tokens."""
+    banned = {word[-1] for word in params.bad_words_token_ids if _ends_with(output, word[:-1])}
+    if params.min_tokens and len(output) < params.min_tokens:
+        banned |= set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= set(eos_token_ids)
+    return banned
+
+
+def _ends_with(output: list[int], prefix: tuple[int, ...]) -> bool:
+    n = len(prefix)
+    return n == 0 or (n <= len(output) and tuple(output[-n:]) == prefix)
+
+
+def _bans_leave_nothing(params: SamplingParams, banned: set[int], vocab: int) -> bool:
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        return banned.issuperset(allowed)
+    return len(banned) >= vocab
+
+
+def _keep_only_allowed(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
+) -> None:
+    """Set every logit outside its row's allowed_token_ids to -inf, in place."""
+    device = logits.device
+    local = [r for r, i in enumerate(rows) for _ in params[i].allowed_token_ids or ()]
+    cols = [t for i in rows for t in params[i].allowed_token_ids or ()]
+    index = (torch.tensor(local, device=device), torch.tensor(cols, device=device))
+    sub = logits[rows]
+    kept = torch.full_like(sub, float("-inf"))
+    kept[index] = sub[index]
+    logits[rows] = kept
+
+
+def _check_vocab(params: SamplingParams, vocab: int) -> None:
+    """A token id past the logits would index out of bounds; name the field instead."""
+    fields = (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
+    )
+    for name, ids in fields:
+        if ids and max(ids) >= vocab:
+            raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary ({vocab})")
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
