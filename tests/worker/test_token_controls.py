@@ -18,7 +18,8 @@ from worker_modes import REFERENCE
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from worker.config import WorkerConfig
 from worker.execution.model_runner import ModelRunner
-from worker.execution.sampler import Sampler, SamplingMetadata, apply_token_controls
+from worker.execution.sampler import Sampler, SamplingMetadata
+from worker.execution.token_controls import apply_token_controls
 
 VOCAB = 12
 # Raw logits with a clear order: token 0 most likely, then 1, 2, ...
