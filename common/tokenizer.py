@@ -249,16 +249,34 @@ def _clean_up_spaces(text: str) -> str:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    continue_final_message: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's own chat template (works for a
-    `Tokenizer` and for a transformers tokenizer alike)."""
-    if not getattr(tokenizer, "chat_template", None):
+    """Token ids of `messages` rendered with the tokenizer's chat template (or the named
+    `chat_template`), as the chat API builds its prompt; works for a `Tokenizer` and for a
+    transformers tokenizer alike. `template_kwargs` are extra template variables;
+    `add_special_tokens` adds the tokenizer's own (a BOS, say) on top of the template's."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(NO_CHAT_TEMPLATE)
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages),
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=None if tools is None else list(tools),
+        documents=None if documents is None else list(documents),
+        chat_template=chat_template,
+        **dict(template_kwargs or {}),
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def load_tokenizer(

@@ -17,6 +17,11 @@ algorithm in Python::
                               ^prefix_offset  ^read_offset
     delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
 
+`DetokenizeOptions` carry a request's `skip_special_tokens` and
+`spaces_between_special_tokens` (vLLM's names, defaults and meaning: the second only matters
+when special tokens are kept, and then writes consecutive added tokens back to back, without
+the space some decoders, WordPiece's for one, put between them).
+
 `StopStringMatcher` trims stop strings from the text. A stop string may span tokens, so
 text that could be the start of one is held back until it is known not to be. Its work
 per delta is bounded by the stop strings' lengths, never by the length of the output.
@@ -24,7 +29,8 @@ per delta is bounded by the stop strings' lengths, never by the length of the ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -66,6 +72,54 @@ def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: 
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DetokenizeOptions:
+    """How one request's output ids become text."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def joins_added_tokens(self) -> bool:
+        """Whether consecutive added tokens are written back to back (special tokens kept,
+        no spaces between them)."""
+        return not self.skip_special_tokens and not self.spaces_between_special_tokens
+
+
+DEFAULT_DETOKENIZE = DetokenizeOptions()
+
+
+def added_token_texts(tokenizer: Any) -> dict[int, str]:
+    """Each added token's id and text (the special tokens and any other whole-matched ones)."""
+    table = getattr(tokenizer, "added_tokens_decoder", None)
+    if table is None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        table = {} if backend is None else backend.get_added_tokens_decoder()
+    return {int(i): str(getattr(t, "content", t)) for i, t in table.items()}
+
+
+def decode_output(
+    tokenizer: Tokenizer, token_ids: Sequence[int], options: DetokenizeOptions = DEFAULT_DETOKENIZE
+) -> str:
+    """A request's output text under its options: what its deltas add up to."""
+    if not options.joins_added_tokens:
+        return decode(tokenizer, token_ids, options.skip_special_tokens)
+    return _decode_joined(tokenizer, token_ids, added_token_texts(tokenizer))
+
+
+def _decode_joined(tokenizer: Tokenizer, token_ids: Sequence[int], added: Mapping[int, str]) -> str:
+    """Decode with special tokens kept, cut between every two consecutive added tokens, so
+    the decoder puts nothing between them."""
+    ids = list(token_ids)
+    parts, start = [], 0
+    for i in range(1, len(ids)):
+        if ids[i] in added and ids[i - 1] in added:
+            parts.append(decode(tokenizer, ids[start:i], skip_special_tokens=False))
+            start = i
+    parts.append(decode(tokenizer, ids[start:], skip_special_tokens=False))
+    return "".join(parts)
+
+
 class TokenTexts:
     """Each token id's own text (special tokens kept), as logprobs show it; cached, so a
     token is decoded once per server, and the cache never outgrows the vocabulary."""
@@ -90,6 +144,9 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_tokenizer",
+        "_options",
+        "_added",
+        "_last_added",
         "_backend",
         "_stream",
         "_ids",
@@ -98,12 +155,18 @@ class IncrementalDetokenizer:
         "_emitted",
     )
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, options: DetokenizeOptions = DEFAULT_DETOKENIZE
+    ) -> None:
         self._tokenizer = tokenizer
+        self._options = options
+        # the added tokens' texts, only when consecutive ones are written back to back
+        self._added = added_token_texts(tokenizer) if options.joins_added_tokens else None
+        self._last_added = False
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: Any = None
         if self._backend is not None and DecodeStream is not None:
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=options.skip_special_tokens)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -136,6 +199,11 @@ class IncrementalDetokenizer:
         try:
             for token in token_ids:
                 piece = self._stream.step(self._backend, token)
+                if self._added is not None:
+                    added = self._added.get(token)
+                    if added is not None and self._last_added:
+                        piece = added  # its own text, without a space the decoder put before it
+                    self._last_added = added is not None
                 if piece:
                     pieces.append(piece)
         except Exception:
@@ -158,20 +226,25 @@ class IncrementalDetokenizer:
         fewest ids whose decode is at least that long (a binary search)."""
         emitted = self.text
         for end in range(hi, max(hi - _BACKWARD_SCAN, -1), -1):
-            if decode(self._tokenizer, self._ids[:end]) == emitted:
+            if self._decode(self._ids[:end]) == emitted:
                 return end
         lo = 0
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(decode(self._tokenizer, self._ids[:mid])) >= num_chars:
+            if len(self._decode(self._ids[:mid])) >= num_chars:
                 hi = mid
             else:
                 lo = mid + 1
         return lo
 
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._added is None:
+            return decode(self._tokenizer, token_ids, self._options.skip_special_tokens)
+        return _decode_joined(self._tokenizer, token_ids, self._added)
+
     def _add_window(self) -> str:
-        prefix_text = decode(self._tokenizer, self._ids[self._prefix_offset : self._read_offset])
-        new_text = decode(self._tokenizer, self._ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # an incomplete character (or a token that decodes to nothing yet)
         if not new_text.startswith(prefix_text):
@@ -184,7 +257,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The rest of the text, so that all deltas together equal a decode of every id."""
-        full = decode(self._tokenizer, self._ids)
+        full = self._decode(self._ids)
         emitted = self.text
         rest = full[len(emitted) :] if full.startswith(emitted) else ""
         self._emitted.append(rest)

@@ -28,7 +28,7 @@ from scheduler.output import ModelRunnerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.stats import SchedulerStats
-from service.engine.detokenizer import Tokenizer, TokenTexts
+from service.engine.detokenizer import DEFAULT_DETOKENIZE, DetokenizeOptions, Tokenizer, TokenTexts
 from service.engine.metrics import ServiceMetrics
 from service.engine.output_processor import OutputProcessor
 from service.engine.step_cost_feed import StepCostFeed
@@ -128,6 +128,7 @@ class AsyncEngine:
         include_stop_str_in_output: bool = False,
         arrival_time: float | None = None,
         user: str | None = None,
+        detokenize: DetokenizeOptions = DEFAULT_DETOKENIZE,
     ) -> RequestStream:
         """Queue a request for the loop and return its stream (iterate it; `close()` aborts)."""
         if self.dead.is_set():
@@ -144,7 +145,9 @@ class AsyncEngine:
         )
         if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
             req.tenant = user
-        self.output.add_request(stream, tuple(stop), include_stop_str_in_output, now)
+        self.output.add_request(
+            stream, tuple(stop), include_stop_str_in_output, now, detokenize=detokenize
+        )
         self._new.append(req)
         self._idle.clear()
         self._wakeup.set()

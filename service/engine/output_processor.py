@@ -7,6 +7,10 @@ the engine's clock, and pushes one delta into the request's bounded `RequestStre
 cost per step is bounded by the step's tokens (a few Rust calls per token, stop matching
 bounded by the stop strings' lengths), never by what the readers do.
 
+Each request is detokenized under its own `DetokenizeOptions`; the token that stops it (EOS or
+a stop token id) adds no text unless `include_stop_str_in_output` (vLLM's rule), so keeping
+special tokens never shows the EOS text.
+
 `process()` returns the requests the scheduler must finish now: a stop string matched (the
 scheduler only sees token ids), or the reader fell a whole buffer behind. The engine
 finishes them in the same loop iteration, so their KV blocks free within one step of the
@@ -21,7 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scheduler.output import RequestOutput
-from service.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from service.engine.detokenizer import (
+    DEFAULT_DETOKENIZE,
+    DetokenizeOptions,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    Tokenizer,
+)
 from service.engine.metrics import ServiceMetrics
 from service.engine.stream import (
     DEFAULT_MAX_BUFFERED_TOKENS,
@@ -48,6 +58,7 @@ class _RequestState:
     stream: RequestStream
     detok: IncrementalDetokenizer
     stops: StopStringMatcher | None
+    keep_stop_token_text: bool
     arrival_time: float
     last_token_time: float
     first_scheduled_time: float | None = None
@@ -88,11 +99,17 @@ class OutputProcessor:
         stop: tuple[str, ...],
         include_stop_str_in_output: bool,
         arrival_time: float,
+        detokenize: DetokenizeOptions = DEFAULT_DETOKENIZE,
     ) -> None:
         """Start tracking a request whose deltas go to `stream`."""
         stops = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
         self._reqs[stream.request_id] = _RequestState(
-            stream, IncrementalDetokenizer(self.tokenizer), stops, arrival_time, arrival_time
+            stream,
+            IncrementalDetokenizer(self.tokenizer, detokenize),
+            stops,
+            include_stop_str_in_output,
+            arrival_time,
+            arrival_time,
         )
 
     def mark_scheduled(self, request_id: str, now: float) -> None:
@@ -141,7 +158,10 @@ class OutputProcessor:
 
     def _route(self, state: _RequestState, out: RequestOutput) -> str | None:
         """Push this output's delta; the finish reason when the request ends here."""
-        text = state.detok.add(out.new_token_ids) if out.new_token_ids else ""
+        ids = out.new_token_ids
+        if out.finish_reason == "stop" and ids and not state.keep_stop_token_text:
+            ids = ids[:-1]  # the stop token (EOS or a stop token id) adds no text
+        text = state.detok.add(ids) if ids else ""
         stops = state.stops
         if stops is not None:
             text = stops.feed(text)

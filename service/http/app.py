@@ -2,8 +2,9 @@
 `cleanup_ctx`.
 
 Routes: the API's are declared in one place, `_routes` below (handlers for /v1 completions in
-`openai_routes.py`); the live view's (/dashboard, its assets, login and record stream) in
-`dashboard_routes.py`, which `add_dashboard` registers unless the dashboard is disabled.
+`openai_routes.py`, for /tokenize and /detokenize in `tokenize_routes.py`); the live view's
+(/dashboard, its assets, login and record stream) in `dashboard_routes.py`, which
+`add_dashboard` registers unless the dashboard is disabled.
 
 The engine starts in the background so /health can answer 503 while the model loads;
 the v1 routes answer 503 until it is ready. If the engine fails, /health turns 503 and
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from scheduler.fairness import tenant_report
 from service.engine.metrics import CONTENT_TYPE
-from service.http import openai_routes
+from service.http import openai_routes, tokenize_routes
 from service.http.dashboard_routes import add_dashboard
 from service.http.errors import APIError, Handler, error_middleware
 from service.http.protocol import GENERATION_DEFAULTS, NO_DEFAULTS, GenerationDefaults
@@ -66,6 +67,8 @@ def _routes(config: AppConfig) -> list[web.RouteDef]:
         web.get("/v1/models", models),
         web.post("/v1/completions", openai_routes.completions),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
+        web.post("/tokenize", tokenize_routes.tokenize),
+        web.post("/detokenize", tokenize_routes.detokenize),
     ]
     if config.enable_debug_endpoints:
         routes.append(web.get("/debug/kv", debug_kv))
@@ -78,9 +81,10 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer auth on /v1/* when an API key is set; /health and /metrics stay open."""
+    """Bearer auth on /v1/*, /tokenize and /detokenize when an API key is set; /health and
+    /metrics stay open."""
     key = request.app[STATE].config.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path in tokenize_routes.PATHS):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(

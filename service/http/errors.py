@@ -138,7 +138,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
 def _from_http_exception(exc: web.HTTPException) -> APIError:
     if exc.status == 404:
         return APIError(
-            404, "route not found; see /v1/models, /v1/completions, /v1/chat/completions"
+            404,
+            "route not found; see /v1/models, /v1/completions, /v1/chat/completions, "
+            "/tokenize, /detokenize",
         )
     if exc.status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))

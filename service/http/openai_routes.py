@@ -5,6 +5,10 @@ share the prompt, so the scheduler's prefix cache lets them share its KV blocks.
 Tokenization and chat templates run in a thread pool, so a huge prompt never stalls the
 event loop (and with it every other stream). The engine hands each stream ready deltas;
 handlers only format and write them, SSE writes going through the app's stall watch.
+
+A streamed chat choice announces its role in its first chunk that carries generated output,
+not before: a client that starts its time-to-first-token clock at the first chunk measures
+the real one.
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel
 
 from common.tokenizer import apply_chat_template
 from scheduler.sampling import SamplingParams
+from service.engine.detokenizer import decode
 from service.engine.stream import (
     EngineDeadError,
     EngineError,
@@ -31,12 +36,13 @@ from service.engine.stream import (
     StreamDelta,
 )
 from service.http import responses as R
+from service.http.chat_protocol import ChatCompletionRequest, ChatPrompt
 from service.http.errors import APIError, bad_request, error_body, unsupported_media_type
 from service.http.protocol import (
     GENERATION_DEFAULTS,
-    ChatCompletionRequest,
     CompletionRequest,
     GenerationDefaults,
+    SamplingRequest,
     resolve_max_tokens,
 )
 from service.http.sse import DONE, event, merge, open_event_stream
@@ -55,51 +61,55 @@ class _Choice:
     params: SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request's prompts as token ids, and what its tokenizer work produced besides."""
+
+    prompts: list[list[int]]
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    echo: tuple[str, ...] | None = None  # per prompt, when the request echoes
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    state, loaded = _ready(request)
-    req = CompletionRequest.model_validate(await _read_json(request))
+    state, loaded = ready(request)
+    req = CompletionRequest.model_validate(await read_json(request))
     req.check()
-    _check_model(req.model, loaded)
+    check_model(req.model, loaded)
     raw_prompts = req.prompts()
     _check_choice_count(len(raw_prompts), req.n)  # before tokenizing them all
-    prompts = [await _prompt_ids(state, loaded, p) for p in raw_prompts]
-    return await _serve(
-        request,
-        state,
-        loaded,
-        req,
-        prompts,
-        R.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=False),
-    )
+    full = [await _prompt_ids(state, loaded, p, req.add_special_tokens) for p in raw_prompts]
+    prompts = [req.truncated(ids, loaded.max_model_len) for ids in full]
+    echo = None
+    if req.echo:
+        tokenizer = loaded.engine.tokenizer
+        echo = tuple(await in_executor(state, _echo_texts, tokenizer, raw_prompts, full, prompts))
+    prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo)
+    meta = R.ResponseMeta(_response_id("cmpl", req), int(time.time()), loaded.model_name, False)
+    return await _serve(request, state, loaded, req, prepared, meta)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    state, loaded = _ready(request)
-    req = ChatCompletionRequest.model_validate(await _read_json(request))
+    state, loaded = ready(request)
+    req = ChatCompletionRequest.model_validate(await read_json(request))
     req.check()
-    _check_model(req.model, loaded)
-    tokenizer = loaded.engine.tokenizer
-    try:
-        ids = await _in_executor(state, apply_chat_template, tokenizer, req.chat_messages(), True)
-    except Exception as exc:  # the template (jinja) rejects these messages, e.g. an odd role order
-        raise bad_request(
-            f"cannot apply the chat template to these messages: {exc}", "messages"
-        ) from None
-    return await _serve(
-        request,
-        state,
-        loaded,
-        req,
-        [ids],
-        R.ResponseMeta(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.model_name, chat=True
-        ),
+    check_model(req.model, loaded)
+    ids = req.truncated(await chat_prompt_ids(state, loaded, req), loaded.max_model_len)
+    echo = (req.echo_text(),) if req.echo else None
+    prepared = _Prepared([ids], await _bad_words(state, loaded, req), echo)
+    meta = R.ResponseMeta(
+        _response_id("chatcmpl", req), int(time.time()), loaded.model_name, chat=True
     )
+    return await _serve(request, state, loaded, req, prepared, meta)
 
 
-def _ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
+def _response_id(prefix: str, req: SamplingRequest) -> str:
+    return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
+
+
+def ready(request: web.Request) -> tuple[ServiceState, LoadedEngine]:
+    """The app's state and its engine, or a 503 while there is none to use."""
     state = request.app[STATE]
     return state, state.require_ready()
 
@@ -110,7 +120,8 @@ def _is_json(content_type: str) -> bool:
     )
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
+    """The body as a JSON object; 415 for another content type, 400 for anything else."""
     # A body without a Content-Type is read as JSON (as FastAPI, and so vLLM, does); one
     # that says it is something else is refused before it is read.
     if "Content-Type" in request.headers and not _is_json(request.content_type):
@@ -125,7 +136,8 @@ async def _read_json(request: web.Request) -> Any:
     return data
 
 
-def _check_model(model: str | None, loaded: LoadedEngine) -> None:
+def check_model(model: str | None, loaded: LoadedEngine) -> None:
+    """404 for a model this server does not serve."""
     if model is not None and model != loaded.model_name:
         raise APIError(
             404,
@@ -135,17 +147,22 @@ def _check_model(model: str | None, loaded: LoadedEngine) -> None:
         )
 
 
-async def _in_executor(state: ServiceState, fn: Any, *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(state.executor, fn, *args)
+async def in_executor(state: ServiceState, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run tokenizer work in the app's thread pool."""
+    call = (lambda: fn(*args, **kwargs)) if kwargs else (lambda: fn(*args))
+    return await asyncio.get_running_loop().run_in_executor(state.executor, call)
 
 
 async def _prompt_ids(
-    state: ServiceState, loaded: LoadedEngine, prompt: str | list[int]
+    state: ServiceState, loaded: LoadedEngine, prompt: str | list[int], add_special_tokens: bool
 ) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        ids: list[int] = list(await _in_executor(state, loaded.engine.tokenizer.encode, prompt))
+        encode = loaded.engine.tokenizer.encode
+        ids: list[int] = list(
+            await in_executor(state, encode, prompt, add_special_tokens=add_special_tokens)
+        )
     else:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < loaded.vocab_size]
@@ -158,17 +175,97 @@ async def _prompt_ids(
     return ids
 
 
+def _echo_texts(
+    tokenizer: Any,
+    raw: Sequence[str | list[int]],
+    full: Sequence[list[int]],
+    kept: Sequence[list[int]],
+) -> list[str]:
+    """Each prompt's text as `echo` writes it: as sent, or decoded when it came as token ids
+    or was truncated."""
+    return [
+        p if isinstance(p, str) and len(k) == len(f) else
+        decode(tokenizer, k, skip_special_tokens=False)
+        for p, f, k in zip(raw, full, kept, strict=True)
+    ]
+
+
+async def chat_prompt_ids(state: ServiceState, loaded: LoadedEngine, chat: ChatPrompt) -> list[int]:
+    """The chat rendered with the model's template and tokenized, as the chat route does."""
+    tokenizer = loaded.engine.tokenizer
+    kwargs = {
+        "continue_final_message": chat.continue_final_message,
+        "tools": chat.tools or None,
+        "documents": chat.documents,
+        "chat_template": _template_name(tokenizer, chat.chat_template),
+        "template_kwargs": chat.template_vars(),
+        "add_special_tokens": chat.add_special_tokens,
+    }
+    messages = chat.chat_messages()
+    try:
+        ids = await in_executor(
+            state, apply_chat_template, tokenizer, messages, chat.add_generation_prompt, **kwargs
+        )
+    except Exception as exc:  # the template (jinja) rejects these messages, e.g. an odd role order
+        param = "continue_final_message" if "continue_final_message" in str(exc) else "messages"
+        raise bad_request(
+            f"cannot apply the chat template to these messages: {exc}", param
+        ) from None
+    return list(ids)
+
+
+def _template_name(tokenizer: Any, name: str | None) -> str | None:
+    """A request's `chat_template`: a name among the model's templates; a template's text is
+    not accepted (the server's own is set with --chat-template)."""
+    if name is None:
+        return None
+    own = getattr(tokenizer, "chat_template", None)
+    names = set(getattr(tokenizer, "chat_templates", None) or ())
+    names |= set(own) if isinstance(own, dict) else set()
+    if name not in names:
+        raise bad_request(
+            f"chat_template must name one of the model's chat templates ({sorted(names)}); a "
+            "template in the request is not accepted (start the server with --chat-template)",
+            "chat_template",
+        )
+    return name
+
+
+async def _bad_words(
+    state: ServiceState, loaded: LoadedEngine, req: SamplingRequest
+) -> tuple[tuple[int, ...], ...]:
+    if not req.bad_words:
+        return ()
+    tokenizer = loaded.engine.tokenizer
+    words: tuple[tuple[int, ...], ...] = await in_executor(
+        state, bad_words_token_ids, tokenizer, req.bad_words
+    )
+    return words
+
+
+def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, as vLLM tokenizes them: the word alone, and after a space
+    when that starts with another token and has as many (so a word is banned at the start
+    of the text and inside it)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = word.lstrip()
+        plain = tuple(tokenizer.encode(bare, add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + bare, add_special_tokens=False))
+        out.append(plain)
+        if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
+
+
 def _choices(
-    req: CompletionRequest | ChatCompletionRequest,
-    prompts: list[list[int]],
-    loaded: LoadedEngine,
-    defaults: GenerationDefaults,
+    req: SamplingRequest, prepared: _Prepared, loaded: LoadedEngine, defaults: GenerationDefaults
 ) -> list[_Choice]:
-    _check_choice_count(len(prompts), req.n)
+    _check_choice_count(len(prepared.prompts), req.n)
     out: list[_Choice] = []
-    for p, ids in enumerate(prompts):
+    for p, ids in enumerate(prepared.prompts):
         max_tokens = resolve_max_tokens(req, len(ids), loaded.max_model_len, defaults.max_tokens)
-        params = req.sampling_params(max_tokens, defaults)
+        params = req.sampling_params(max_tokens, defaults, prepared.bad_words)
         _check_worker_limits(params, req.n, loaded.vocab_size)
         for i in range(req.n):
             seed = None if params.seed is None else params.seed + i  # siblings must differ
@@ -188,15 +285,35 @@ def _check_choice_count(num_prompts: int, n: int) -> None:
 def _check_worker_limits(params: SamplingParams, n: int, vocab_size: int) -> None:
     """Values the worker would fail on must be refused here, before they can fail a step
     that other requests share."""
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise bad_request(
-            f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", "stop_token_ids"
-        )
+    named = {
+        "stop_token_ids": params.stop_token_ids,
+        "logit_bias": [t for t, _ in params.logit_bias],
+        "allowed_token_ids": params.allowed_token_ids or (),
+        "bad_words": [t for word in params.bad_words_token_ids for t in word],
+    }
+    for param, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"{param} must be in [0, {vocab_size}); got {bad[:5]}", param)
     if params.seed is not None and params.seed + n - 1 >= 2**63:
         raise bad_request(
             f"seed + n - 1 must be below 2**63, got seed {params.seed} with n={n}", "seed"
         )
+
+
+def _shape(
+    req: CompletionRequest | ChatCompletionRequest, prepared: _Prepared, loaded: LoadedEngine
+) -> R.ResponseShape:
+    token_text = loaded.engine.token_texts
+    return R.ResponseShape(
+        token_text=R.token_id_texts if req.return_tokens_as_token_ids else token_text,
+        n=req.n,
+        want_logprobs=req.num_logprobs() is not None,
+        role=req.response_role if isinstance(req, ChatCompletionRequest) else "assistant",
+        prompt_ids=tuple(prepared.prompts),
+        return_token_ids=req.return_token_ids,
+        echo=prepared.echo,
+    )
 
 
 async def _serve(
@@ -204,47 +321,49 @@ async def _serve(
     state: ServiceState,
     loaded: LoadedEngine,
     req: CompletionRequest | ChatCompletionRequest,
-    prompts: list[list[int]],
+    prepared: _Prepared,
     meta: R.ResponseMeta,
 ) -> web.StreamResponse:
-    choices = _choices(req, prompts, loaded, request.app[GENERATION_DEFAULTS])
+    choices = _choices(req, prepared, loaded, request.app[GENERATION_DEFAULTS])
+    # a client's request_id names the response; the engine's ids stay unique
+    engine_id = f"{meta.id}-{uuid.uuid4().hex[:8]}" if req.request_id else meta.id
+    streams = _submit(loaded, req, choices, engine_id)
+    shape = _shape(req, prepared, loaded)
+    indices = [c.index for c in choices]
+    try:
+        if req.stream:
+            return await _stream(request, state, req, meta, shape, streams, indices)
+        return await _whole(req, meta, shape, streams, indices)
+    finally:  # whatever happened (a client gone before the first event included), abort the rest
+        for stream in streams:
+            stream.close()
+
+
+def _submit(
+    loaded: LoadedEngine, req: SamplingRequest, choices: list[_Choice], engine_id: str
+) -> list[RequestStream]:
+    """One engine request per choice, ids ``{engine_id}-{index}``."""
     engine = loaded.engine
+    options = req.detokenize_options()
     try:
         engine.check_capacity(len(choices))
-        streams = [
-            engine.submit(
+        streams = []
+        for c in choices:
+            stream = engine.submit(
                 c.prompt_ids,
                 c.params,
-                f"{meta.id}-{c.index}",
+                f"{engine_id}-{c.index}",
                 stop=req.stop_strings,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                user=req.user,
+                user=req.tenant,
+                detokenize=options,
             )
-            for c in choices
-        ]
+            streams.append(stream)
     except EngineOverloadedError as exc:
         raise APIError(429, str(exc), headers={"Retry-After": "1"}) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
-    prompt_tokens = sum(len(ids) for ids in prompts)
-    try:
-        if req.stream:
-            return await _stream(
-                request,
-                state,
-                engine.token_texts,
-                req,
-                meta,
-                streams,
-                [c.index for c in choices],
-                prompt_tokens,
-            )
-        return await _whole(
-            engine.token_texts, req, meta, streams, [c.index for c in choices], prompt_tokens
-        )
-    finally:  # whatever happened (a client gone before the first event included), abort the rest
-        for stream in streams:
-            stream.close()
+    return streams
 
 
 def _generation_error(exc: EngineError) -> APIError:
@@ -253,13 +372,16 @@ def _generation_error(exc: EngineError) -> APIError:
     return APIError(500, f"generation failed: {exc}")
 
 
+def _prompt_tokens(shape: R.ResponseShape) -> int:
+    return sum(len(ids) for ids in shape.prompt_ids)
+
+
 async def _whole(
-    token_text: R.TokenText,
-    req: BaseModel,
+    req: SamplingRequest,
     meta: R.ResponseMeta,
+    shape: R.ResponseShape,
     streams: list[RequestStream],
     indices: list[int],
-    prompt_tokens: int,
 ) -> web.Response:
     results = [R.ChoiceResult(index=i) for i in indices]
     cached = 0
@@ -272,30 +394,28 @@ async def _whole(
             res.num_output_tokens = delta.num_output_tokens
             if delta.finished:
                 res.finish_reason, res.stop_reason = delta.finish_reason, delta.stop_reason
-                if res.index % req.n == 0:  # type: ignore[attr-defined]  # a prompt counts once, as in prompt_tokens
+                if res.index % req.n == 0:  # a prompt counts once, as in prompt_tokens
                     cached += delta.num_cached_tokens
     except EngineError as exc:
         raise _generation_error(exc) from None
-    usage = R.usage(prompt_tokens, sum(r.num_output_tokens for r in results), cached)
-    want_logprobs = req.num_logprobs() is not None  # type: ignore[attr-defined]
-    body = R.full_response(meta, results, usage, token_text, want_logprobs)
+    usage = R.usage(_prompt_tokens(shape), sum(r.num_output_tokens for r in results), cached)
+    body = R.full_response(meta, results, usage, shape)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def _stream(
     request: web.Request,
     state: ServiceState,
-    token_text: R.TokenText,
-    req: CompletionRequest | ChatCompletionRequest,
+    req: SamplingRequest,
     meta: R.ResponseMeta,
+    shape: R.ResponseShape,
     streams: list[RequestStream],
     indices: list[int],
-    prompt_tokens: int,
 ) -> web.StreamResponse:
     response = await open_event_stream(request)
     with state.stall_watch.watch(request, response, streams) as writer:
         try:
-            await _write_events(writer, token_text, req, meta, streams, indices, prompt_tokens)
+            await _write_events(writer, req, meta, shape, streams, indices)
             await writer.write(DONE)
             await response.write_eof()
         except ConnectionResetError:
@@ -305,18 +425,14 @@ async def _stream(
 
 async def _write_events(
     writer: GuardedWriter,
-    token_text: R.TokenText,
-    req: CompletionRequest | ChatCompletionRequest,
+    req: SamplingRequest,
     meta: R.ResponseMeta,
+    shape: R.ResponseShape,
     streams: list[RequestStream],
     indices: list[int],
-    prompt_tokens: int,
 ) -> None:
     """Every content event, then the usage event (or an error event: headers are out)."""
-    events = _EventBuilder(token_text, req, meta, indices)
-    if meta.chat:
-        for index in indices:
-            await writer.write(events.encoder.choice_event(R.chat_role_choice(index)))
+    events = _EventBuilder(req, meta, shape, indices)
     try:
         if len(streams) == 1:  # most requests: read the stream itself, no merging layer
             async for delta in streams[0]:
@@ -334,43 +450,66 @@ async def _write_events(
         await writer.write(event(error_body(500, "internal server error; see the server log")))
     else:
         if req.include_usage:
-            usage = R.usage(prompt_tokens, sum(events.num_output), events.cached)
+            usage = R.usage(_prompt_tokens(shape), sum(events.num_output), events.cached)
             await writer.write(event(R.chunk(meta, None, usage, True)))
 
 
 class _EventBuilder:
     """One streamed response's content events, and the usage they add up to."""
 
-    def __init__(self, token_text: R.TokenText, req: CompletionRequest | ChatCompletionRequest,
-                 meta: R.ResponseMeta, indices: list[int]) -> None:
-        self.token_text, self.meta, self.indices, self.n = token_text, meta, indices, req.n
-        self.want_logprobs = req.num_logprobs() is not None
+    def __init__(self, req: SamplingRequest, meta: R.ResponseMeta, shape: R.ResponseShape,
+                 indices: list[int]) -> None:
+        self.meta, self.shape, self.indices, self.n = meta, shape, indices, req.n
+        self.continuous_usage = req.continuous_usage
         self.encoder = R.ChunkEncoder(meta, req.include_usage)
         self.num_output = [0] * len(indices)
         self.offsets = [0] * len(indices)
+        self.started = [False] * len(indices)
+        self.sent_prompt_ids = False
         self.cached = 0
 
     def content(self, pos: int, delta: StreamDelta) -> bytes:
+        index, shape = self.indices[pos], self.shape
         self.num_output[pos] = delta.num_output_tokens
-        if (
-            delta.finished and self.indices[pos] % self.n == 0
-        ):  # a prompt counts once, as in prompt_tokens
+        if delta.finished and index % self.n == 0:  # a prompt counts once, as in prompt_tokens
             self.cached += delta.num_cached_tokens
+        first, self.started[pos] = not self.started[pos], True
+        text = shape.echoed(index) + delta.text if first else delta.text
         logprobs = (
-            _delta_logprobs(self.token_text, self.meta, delta, self.offsets[pos])
-            if self.want_logprobs
+            _delta_logprobs(shape.token_text, self.meta, delta, self.offsets[pos])
+            if shape.want_logprobs
             else None
         )
-        self.offsets[pos] += len(delta.text)
+        self.offsets[pos] += len(text)
+        role = shape.role if first and self.meta.chat else None
         choice = R.stream_choice(
-            self.meta,
-            self.indices[pos],
-            delta.text,
-            delta.finish_reason,
-            delta.stop_reason,
-            logprobs,
+            self.meta, index, text, delta.finish_reason, delta.stop_reason, logprobs, role
         )
-        return self.encoder.choice_event(choice)
+        extra = self._token_ids(choice, first, index, delta)
+        prompt_ids = shape.prompt_ids[shape.prompt_of(index)]
+        usage = (
+            R.usage(len(prompt_ids), delta.num_output_tokens) if self.continuous_usage else None
+        )
+        return self.encoder.choice_event(choice, usage, extra)
+
+    def _token_ids(
+        self, choice: dict[str, Any], first: bool, index: int, delta: StreamDelta
+    ) -> dict[str, Any] | None:
+        """`return_token_ids`: the chunk's token ids on its choice; the prompt's on a
+        completion choice's first chunk, or on the chat response's first chunk."""
+        shape = self.shape
+        if not shape.return_token_ids:
+            return None
+        choice["token_ids"] = list(delta.token_ids)
+        if not first:
+            return None
+        if not self.meta.chat:
+            choice["prompt_token_ids"] = shape.prompt_ids[shape.prompt_of(index)]
+            return None
+        if self.sent_prompt_ids:
+            return None
+        self.sent_prompt_ids = True
+        return {"prompt_token_ids": shape.prompt_ids[0]}
 
 
 def _delta_logprobs(

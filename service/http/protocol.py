@@ -2,11 +2,16 @@
 
 Types are strict: a string where a number belongs is a 400, not a silent coercion. Ranges
 are those the OpenAI API documents (temperature 0..2, top_p 0..1, penalties -2..2,
-completions `logprobs` 0..5, chat `top_logprobs` 0..20, n and max_tokens at least 1) and,
-for the vLLM extensions, those vLLM's `SamplingParams` enforces (top_k >= -1, min_p 0..1,
-repetition_penalty > 0, min_tokens >= 0); a value outside one is a 400 naming the field.
-`SamplingParams` checks what it needs again (and what relates two fields, such as
-min_tokens <= max_tokens). Unknown fields are ignored, as OpenAI clients send extras.
+logit_bias -100..100, completions `logprobs` 0..5, chat `top_logprobs` 0..20, n and
+max_tokens at least 1) and, for the vLLM extensions, those vLLM's `SamplingParams` enforces
+(top_k >= -1, min_p 0..1, repetition_penalty > 0, min_tokens >= 0); a value outside one is
+a 400 naming the field. `SamplingParams` checks what it needs again (and what relates two
+fields, such as min_tokens <= max_tokens).
+
+Every field OpenAI or vLLM defines for these routes is declared here and either honoured or
+refused by name: a 400 whose `param` is the field and whose message says it is not
+supported yet. A null value means the field's default (the SDKs send null for what they
+leave unset). Keys neither defines are ignored, as OpenAI does, and logged at debug level.
 
 A field a request leaves unset takes the server's `GenerationDefaults` (the model's
 generation_config.json, as vLLM's `--generation-config auto`), else `SamplingParams`' default.
@@ -15,19 +20,29 @@ generation_config.json, as vLLM's `--generation-config auto`), else `SamplingPar
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler.sampling import SamplingParams, SamplingParamsError
+from service.engine.detokenizer import DetokenizeOptions
 from service.http.errors import APIError, bad_request
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # matching costs up to O(len) per token in the engine's loop
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
+# chat_template_kwargs may not set what the chat itself sets
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+     "continue_final_message", "chat_template", "tokenize"}
+)
 
 
 @dataclass(frozen=True)
@@ -68,43 +83,142 @@ NO_DEFAULTS = GenerationDefaults()
 GENERATION_DEFAULTS = web.AppKey("stepserve_generation_defaults", GenerationDefaults)
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: only `include_usage` changes anything."""
+def not_supported(param: str, note: str = "") -> APIError:
+    """The 400 for a field this server does not honour yet."""
+    return bad_request(f"'{param}' is not supported yet{f' ({note})' if note else ''}", param)
 
-    model_config = ConfigDict(strict=True, extra="ignore")
 
-    include_usage: bool = False
+def _is_unset(value: Any, neutral: tuple[Any, ...]) -> bool:
+    if value is None or value in neutral:
+        return True
+    return isinstance(value, (str, list, dict)) and not value
+
+
+class Body(BaseModel):
+    """A request body: strict types, null meaning the default, unknown keys ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # fields declared so that they are refused by name: field -> (values that ask for
+    # nothing, note for the message)
+    REFUSED: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+        if unknown:
+            log.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
+        return {k: v for k, v in data.items() if v is not None}
+
+    def check_refused(self) -> None:
+        """A 400 for the first field set that this server does not honour yet."""
+        for name, (neutral, note) in self.REFUSED.items():
+            if not _is_unset(getattr(self, name), neutral):
+                raise not_supported(name, note)
+
+
+_STRUCTURED = "structured outputs are not supported yet"
+SAMPLING_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search"),
+    "length_penalty": ((1.0,), "it applies to beam search"),
+    "prompt_logprobs": ((), ""),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "structural_tag": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "logits_processors": ((), "custom logits processors"),
+    "cache_salt": ((), "a per-request prefix-cache salt"),
+    "kv_transfer_params": ((), "disaggregated serving"),
+    "vllm_xargs": ((), "this server has no extension that reads them"),
+    "mm_processor_kwargs": ((), "this server serves a text-only model"),
+    "store": ((False,), "this server does not store completions"),
+    "metadata": ((), "it belongs to stored completions, which this server does not keep"),
+    "service_tier": (("auto", "default"), "only 'auto' and 'default'"),
+}
+
+
+class StreamOptions(Body):
+    """`stream_options`: the usage chunk at the end, and usage in every chunk (vLLM)."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool = False
+
+
+class ResponseFormat(Body):
+    """`response_format`: only "text" (no constraint) is honoured for now."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
 
 
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    REFUSED = SAMPLING_REFUSED
 
     model: str | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
     n: Annotated[int, Field(ge=1)] = 1
+    best_of: Annotated[int | None, Field(ge=1)] = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
+    logit_bias: dict[str, float] | None = None  # token-id strings -> -100..100
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`: the tenant without one
+    prompt_cache_key: str | None = None  # a cache hint: the prefix cache matches without one
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     top_k: Annotated[int | None, Field(ge=-1)] = None
     min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None  # non-negative and in the vocabulary: checked later
+    stop_token_ids: list[int] | None = None  # in the vocabulary: checked by the route
     repetition_penalty: Annotated[float | None, Field(gt=0.0)] = None
     priority: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None  # -1: max_model_len
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    # declared to be refused by name (see REFUSED)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -115,10 +229,40 @@ class _SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        """A usage chunk ends the stream (continuous_usage_stats alone asks for it too)."""
+        opts = self.stream_options
+        if not self.stream or opts is None:
+            return False
+        return opts.include_usage if opts.include_usage is not None else opts.continuous_usage_stats
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        opts = self.stream_options
+        return opts is not None and self.include_usage and opts.continuous_usage_stats
+
+    @property
+    def tenant(self) -> str | None:
+        return self.user or self.safety_identifier
 
     def check(self) -> None:
-        """Checks pydantic cannot express: stop strings must be non-empty and few."""
+        """Checks pydantic cannot express, and the refusals of what is not honoured yet."""
+        self._check_stops()
+        self._check_stream_options()
+        self.check_refused()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise not_supported("response_format", f"type {self.response_format.type!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})",
+                                  "best_of")
+            raise not_supported("best_of", "best_of greater than n")
+        self.logit_bias_pairs()
+        for i, word in enumerate(self.bad_words or ()):
+            if not word.strip():
+                raise bad_request(f"bad_words[{i}] must not be empty or blank", "bad_words")
+
+    def _check_stops(self) -> None:
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(
@@ -130,22 +274,82 @@ class _SamplingRequest(BaseModel):
             raise bad_request(
                 f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop"
             )
-        if self.stream_options is not None and not self.stream:
+
+    def _check_stream_options(self) -> None:
+        opts = self.stream_options
+        if opts is None:
+            return
+        if not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if opts.continuous_usage_stats and opts.include_usage is False:
+            raise bad_request(
+                "stream_options.continuous_usage_stats needs include_usage",
+                "stream_options.continuous_usage_stats",
+            )
+        if opts.include_obfuscation:
+            raise not_supported("stream_options.include_obfuscation")
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its keys (token-id strings) as ints; 400 naming the field for a
+        key that is not one or a bias outside OpenAI's -100..100."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias"
+                ) from None
+            if not -100.0 <= bias <= 100.0:
+                raise bad_request(
+                    f"logit_bias values must be between -100 and 100, got {bias:g} for {key}",
+                    "logit_bias",
+                )
+            pairs.append((token, bias))
+        return tuple(pairs)
+
+    PROMPT_FIELD: ClassVar[str] = "prompt"  # what holds the prompt, for error messages
+
+    def max_tokens_field(self) -> str:
+        """The field that holds the completion budget (chat has two names for it)."""
+        return "max_tokens"
 
     def requested_max_tokens(self) -> int | None:
-        """The completion budget the client asked for (None: up to the context)."""
+        """The completion budget the client asked for (None: the route's default)."""
         return self.max_tokens
+
+    def unset_max_tokens(self) -> int | None:
+        """The budget when the client sets none (None: what the context leaves)."""
+        return None
 
     def num_logprobs(self) -> int | None:
         """How many top logprobs to return per token (None: no logprobs)."""
         return None
 
+    def detokenize_options(self) -> DetokenizeOptions:
+        return DetokenizeOptions(self.skip_special_tokens, self.spaces_between_special_tokens)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """`ids` cut to their last `truncate_prompt_tokens` (vLLM's), when it is set."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = max_model_len if keep == -1 else keep
+        if keep < 1 or keep > max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens must be between 1 and max_model_len ({max_model_len})"
+                f" or -1, got {self.truncate_prompt_tokens}", "truncate_prompt_tokens"
+            )
+        return ids[-keep:]
+
     def sampling_params(
-        self, max_tokens: int, defaults: GenerationDefaults = NO_DEFAULTS
+        self,
+        max_tokens: int,
+        defaults: GenerationDefaults = NO_DEFAULTS,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """Translate to `SamplingParams`, the unset fields from `defaults`; raises
-        `SamplingParamsError` for out-of-range values."""
+        `SamplingParamsError` for out-of-range values. `bad_words` arrive tokenized."""
         opt: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -157,6 +361,7 @@ class _SamplingRequest(BaseModel):
         }
         fallback = defaults.sampling()
         opt = {k: fallback.get(k) if v is None else v for k, v in opt.items()}
+        allowed = self.allowed_token_ids
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -166,20 +371,34 @@ class _SamplingRequest(BaseModel):
             n=self.n,
             logprobs=self.num_logprobs(),
             priority=self.priority,
+            logit_bias=self.logit_bias_pairs(),
+            allowed_token_ids=None if allowed is None else tuple(allowed),
+            bad_words_token_ids=bad_words_token_ids,
             **{k: v for k, v in opt.items() if v is not None},
         )
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
+
+    REFUSED = {
+        **SAMPLING_REFUSED,
+        "suffix": ((), "inserting text before a suffix"),
+        "prompt_embeds": ((), ""),
+    }
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
     echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True
+    suffix: Any = None
+    prompt_embeds: Any = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def unset_max_tokens(self) -> int | None:
+        return COMPLETION_MAX_TOKENS
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (a string or token ids each)."""
@@ -189,91 +408,29 @@ class CompletionRequest(_SamplingRequest):
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-
-
-class TextPart(BaseModel):
-    """A `{"type": "text", "text": ...}` content part (the only kind a text model takes)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message of a chat; content may be a string or a list of text parts."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    """POST /v1/chat/completions."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
-
-    def requested_max_tokens(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
-
-    def num_logprobs(self) -> int | None:
-        if not self.logprobs:
-            if self.top_logprobs:
-                raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-            return None
-        return self.top_logprobs or 0
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them (`developer` maps to `system`)."""
-        out = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
-        return out
+        if self.echo and self.logprobs is not None:
+            raise not_supported("echo", "with logprobs it needs the prompt's logprobs")
 
 
 def resolve_max_tokens(
-    req: _SamplingRequest,
+    req: SamplingRequest,
     num_prompt_tokens: int,
     max_model_len: int,
     default_max_tokens: int | None = None,
 ) -> int:
     """The completion budget, checked against the context; 400 with the numbers if over.
-    Unset, it is what the context leaves, capped at `default_max_tokens` when given."""
+    Unset, it is the route's default (16 for completions; chat: what the context leaves),
+    capped by what the context leaves and by `default_max_tokens` when given."""
     requested = req.requested_max_tokens()
-    param = (
-        "max_completion_tokens"
-        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
-        else "max_tokens"
-    )
+    param = req.max_tokens_field()
     if requested is not None and requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}", param)
-    what = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    what = req.PROMPT_FIELD
     if num_prompt_tokens >= max_model_len:
         raise APIError(
             400,
@@ -284,8 +441,8 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     if requested is None:
-        room = max_model_len - num_prompt_tokens
-        return room if default_max_tokens is None else min(room, default_max_tokens)
+        caps = (max_model_len - num_prompt_tokens, req.unset_max_tokens(), default_max_tokens)
+        return min(c for c in caps if c is not None)
     if num_prompt_tokens + requested > max_model_len:
         raise APIError(
             400,

@@ -1,6 +1,9 @@
 """OpenAI response bodies: completions and chat, whole and as stream chunks, plus logprobs.
 
-Plain dicts (serialized with orjson), in exactly the shapes the `openai` client parses.
+Plain dicts (serialized with orjson), in exactly the shapes the `openai` client parses, with
+vLLM's additions where a request asks for them: `prompt_token_ids` and `token_ids`
+(`return_token_ids`: per choice for completions, the prompt's on the response for chat) and
+the usage so far on every chunk (`continuous_usage_stats`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,30 @@ class ResponseMeta:
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What one request asked to see in its choices, beyond the text."""
+
+    token_text: TokenText  # a token's text in logprobs
+    n: int = 1  # choices per prompt: choice i answers prompt i // n
+    want_logprobs: bool = False
+    role: str = "assistant"  # the chat reply's role
+    prompt_ids: tuple[list[int], ...] = ()  # each prompt's token ids
+    return_token_ids: bool = False
+    echo: tuple[str, ...] | None = None  # per prompt: the text written before the completion
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
+
+    def echoed(self, index: int) -> str:
+        return "" if self.echo is None else self.echo[self.prompt_of(index)]
+
+
+def token_id_texts(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids`: a token written as 'token_id:{id}'."""
+    return f"token_id:{token_id}"
 
 
 @dataclass
@@ -104,8 +131,7 @@ def full_response(
     meta: ResponseMeta,
     choices: list[ChoiceResult],
     usage_body: dict[str, Any],
-    token_text: TokenText,
-    want_logprobs: bool,
+    shape: ResponseShape,
 ) -> dict[str, Any]:
     """A whole (non-streaming) completion or chat completion."""
     out = []
@@ -115,20 +141,27 @@ def full_response(
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        text = shape.echoed(c.index) + c.text
         if meta.chat:
-            item["message"] = {"role": "assistant", "content": c.text}
+            item["message"] = {"role": shape.role, "content": text}
             item["logprobs"] = (
-                chat_logprobs(token_text, c.token_ids, c.logprobs) if want_logprobs else None
-            )
-        else:
-            item["text"] = c.text
-            item["logprobs"] = (
-                completion_logprobs(token_text, c.token_ids, c.logprobs, 0)
-                if want_logprobs
+                chat_logprobs(shape.token_text, c.token_ids, c.logprobs)
+                if shape.want_logprobs
                 else None
             )
+        else:
+            item["text"] = text
+            item["logprobs"] = (
+                completion_logprobs(shape.token_text, c.token_ids, c.logprobs, 0)
+                if shape.want_logprobs
+                else None
+            )
+            if shape.return_token_ids:
+                item["prompt_token_ids"] = shape.prompt_ids[shape.prompt_of(c.index)]
+        if shape.return_token_ids:
+            item["token_ids"] = c.token_ids
         out.append(item)
-    return {
+    body = {
         "id": meta.id,
         "object": meta.object,
         "created": meta.created,
@@ -136,6 +169,9 @@ def full_response(
         "choices": out,
         "usage": usage_body,
     }
+    if meta.chat and shape.return_token_ids:
+        body["prompt_token_ids"] = shape.prompt_ids[0]
+    return body
 
 
 def chunk(
@@ -158,10 +194,11 @@ def chunk(
 
 
 class ChunkEncoder:
-    """Stream chunks as SSE events, byte for byte what ``event(chunk(...))`` gives: the parts
-    every chunk of a response repeats are serialized once, only the choice per event."""
+    """Stream chunks as SSE events, byte for byte what ``event(chunk(...))`` gives (plus any
+    extra top-level fields): the parts every chunk of a response repeats are serialized
+    once, only the choice (and the usage, and the extras) per event."""
 
-    __slots__ = ("_prefix", "_suffix")
+    __slots__ = ("_prefix", "_suffix", "_include_usage")
 
     def __init__(self, meta: ResponseMeta, include_usage: bool) -> None:
         head = orjson.dumps(
@@ -174,19 +211,23 @@ class ChunkEncoder:
         )
         self._prefix = b"data: " + head[:-1] + b',"choices":['
         self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._include_usage = include_usage
 
-    def choice_event(self, choice: dict[str, Any]) -> bytes:
-        return self._prefix + orjson.dumps(choice) + self._suffix
-
-
-def chat_role_choice(index: int) -> dict[str, Any]:
-    """The first chunk of each chat choice announces the assistant role."""
-    return {
-        "index": index,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
+    def choice_event(
+        self,
+        choice: dict[str, Any],
+        usage_body: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
+        """One chunk with one choice; `usage_body` (written only when the request asked for
+        usage) and `extra` are top-level fields."""
+        if usage_body is None and not extra:
+            return self._prefix + orjson.dumps(choice) + self._suffix
+        tail = dict(extra or {})
+        if self._include_usage:
+            tail["usage"] = usage_body
+        rest = orjson.dumps(tail)[1:] if tail else b"}"
+        return self._prefix + orjson.dumps(choice) + (b"]," if tail else b"]") + rest + b"\n\n"
 
 
 def stream_choice(
@@ -196,11 +237,15 @@ def stream_choice(
     finish_reason: str | None,
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
+    role: str | None = None,
 ) -> dict[str, Any]:
-    """The choice object of a content chunk."""
+    """The choice object of a content chunk; a chat choice's first one carries its `role`."""
     item: dict[str, Any] = {"index": index}
     if meta.chat:
-        item["delta"] = {"content": text} if text or finish_reason is None else {}
+        if role is not None:
+            item["delta"] = {"role": role, "content": text}
+        else:
+            item["delta"] = {"content": text} if text or finish_reason is None else {}
     else:
         item["text"] = text
     item["logprobs"] = logprobs

@@ -138,12 +138,39 @@ async def test_chat_stream_shape(app: tuple[TestClient, ServiceState]) -> None:
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert {c["choices"][0]["index"] for c in chunks[:2]} == {0, 1}
-    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in chunks[:2])
     for index in (0, 1):
-        mine = [c["choices"][0] for c in chunks[2:] if c["choices"][0]["index"] == index]
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        # the role rides on the choice's first chunk, which carries generated text already
+        assert mine[0]["delta"]["role"] == "assistant" and mine[0]["delta"]["content"]
+        assert all("role" not in ch["delta"] for ch in mine[1:])
         assert "".join(ch["delta"].get("content", "") for ch in mine) == whole["choices"][0]["message"]["content"]
         assert mine[-1]["finish_reason"] == "length"
+
+
+async def test_chat_stream_sends_nothing_before_the_first_token(make_client: Any, setup_cls: Any) -> None:
+    """One running slot, taken by a long completion: a chat stream submitted behind it gets
+    its first chunk (role and content together) only once it has a token, so after the long
+    request has left the scheduler; a role chunk sent at submission would arrive first."""
+    async with make_client(setup=setup_cls(max_num_seqs=1)) as (client, state):
+        scheduler = state.loaded.engine.scheduler  # type: ignore[union-attr]
+        long_body = {"prompt": "a long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        long = await client.post("/v1/completions", json=long_body)
+        long_id = None
+        while long_id is None:  # its first chunk: it holds the slot now
+            line = (await long.content.readline()).strip()
+            if line.startswith(b"data: "):
+                long_id = orjson.loads(line[6:])["id"]
+        chat = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True, "stream": True})
+        assert chat.status == 200
+        while not (line := (await chat.content.readline()).strip()).startswith(b"data: "):
+            pass
+        still_running = [rid for rid in scheduler.requests if rid.startswith(long_id)]
+        first = orjson.loads(line[6:])["choices"][0]
+        assert first["delta"]["role"] == "assistant" and first["delta"]["content"]
+        assert still_running == [], "the chat's first chunk left before its first token"
+        await long.read()
+        await chat.read()
 
 
 async def test_token_prompt_and_detokenized_text(app: tuple[TestClient, ServiceState], tokenizer: Any) -> None:

@@ -17,12 +17,8 @@ from scheduler.sampling import SamplingParams
 from service.cli.generation_config import load_generation_defaults, read_generation_config
 from service.cli.serve import main as serve_main
 from service.http.app import create_app
-from service.http.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationDefaults,
-    resolve_max_tokens,
-)
+from service.http.chat_protocol import ChatCompletionRequest
+from service.http.protocol import CompletionRequest, GenerationDefaults, resolve_max_tokens
 from service.http.state import STATE, AppConfig
 
 HF_STYLE = {  # as a Hugging Face model directory ships it, with keys vLLM does not read
@@ -110,7 +106,7 @@ def test_defaults_fill_only_what_the_request_leaves_unset() -> None:
     # max_tokens: the default caps what the context leaves; an explicit value is the request's
     assert resolve_max_tokens(req, 10, 100, defaults.max_tokens) == 12
     assert resolve_max_tokens(req, 95, 100, defaults.max_tokens) == 5
-    assert resolve_max_tokens(req, 10, 100) == 90
+    assert resolve_max_tokens(req, 10, 100) == 16  # completions: OpenAI's default
     asked = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 40})
     assert resolve_max_tokens(asked, 10, 100, defaults.max_tokens) == 40

@@ -54,7 +54,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("empty token list", "POST", COMPLETIONS, {"prompt": []}, 400, "prompt"),
     ("token id out of vocab", "POST", COMPLETIONS, {"prompt": [1, 10**9]}, 400, "prompt"),
     ("empty stop string", "POST", COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("echo unsupported", "POST", COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
+    ("echo with logprobs unsupported", "POST", COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("stream_options wrong type", "POST", COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
     ("stream_options without stream", "POST", COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("no messages", "POST", CHAT_PATH, {"messages": []}, 400, "messages"),

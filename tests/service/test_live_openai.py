@@ -1,12 +1,18 @@
-"""The official `openai` client against a live `stepserve serve` on the default model."""
+"""The official `openai` client against a live `stepserve serve` on the default model: the
+API, vLLM's extra fields (through `extra_body`) where a real sampler shows their effect, and
+/tokenize against the server's own tokenization."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from typing import Any
 
 import openai
 import pytest
+
+from service.http.openai_routes import bad_words_token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +59,7 @@ def test_chat_whole_and_streaming(client: openai.OpenAI, tokenizer: Any) -> None
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, stream=True)  # type: ignore[arg-type]
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content  # the role waits for the first token
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
@@ -121,3 +128,63 @@ def test_min_tokens_holds_off_eos(client: openai.OpenAI) -> None:
     assert floor < 40
     held = client.chat.completions.create(**kwargs, extra_body={"min_tokens": floor})
     assert held.usage is not None and held.usage.completion_tokens >= floor
+
+
+def _token_ids(choice: Any) -> list[int]:
+    """vLLM's `token_ids` (asked for with return_token_ids), which the client keeps as an extra."""
+    return list(choice.model_extra["token_ids"])
+
+
+def test_logit_bias_steers_greedy_sampling(client: openai.OpenAI, tokenizer: Any) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    free = _token_ids(client.completions.create(**kwargs, extra_body=extra).choices[0])
+    (target,) = tokenizer.encode(" banana", add_special_tokens=False)[:1]
+    forced = client.completions.create(**kwargs, logit_bias={str(target): 100}, extra_body=extra)
+    assert _token_ids(forced.choices[0]) == [target] * 4
+    banned = client.completions.create(**kwargs, logit_bias={str(free[0]): -100}, extra_body=extra)
+    assert _token_ids(banned.choices[0])[0] != free[0]
+
+
+def test_allowed_token_ids_restrict_the_output(client: openai.OpenAI, tokenizer: Any) -> None:
+    allowed = sorted(set(tokenizer.encode(" yes no maybe Yes No", add_special_tokens=False)))
+    resp = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0, seed=3,  # type: ignore[arg-type]
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+    )
+    ids = _token_ids(resp.choices[0])
+    assert len(ids) == 6 and set(ids) <= set(allowed)
+
+
+def _contains(ids: list[int], seq: tuple[int, ...]) -> bool:
+    return any(tuple(ids[i : i + len(seq)]) == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_bad_words_never_appear(client: openai.OpenAI, tokenizer: Any) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    free = _token_ids(client.completions.create(**kwargs, extra_body={"return_token_ids": True}).choices[0])
+    # a word greedy decoding writes as one token after a space
+    word = next(text.strip() for t in free if (text := tokenizer.decode([t])).startswith(" ")
+                and text.strip().isalpha() and tokenizer.encode(text, add_special_tokens=False) == [t])
+    seqs = bad_words_token_ids(tokenizer, [word])
+    assert any(_contains(free, s) for s in seqs)
+    banned = client.completions.create(**kwargs, extra_body={"bad_words": [word], "return_token_ids": True})
+    ids = _token_ids(banned.choices[0])
+    assert ids and not any(_contains(ids, s) for s in seqs), (word, ids)
+
+
+def _post(server: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def test_tokenize_matches_the_chat_prompt(client: openai.OpenAI, live_server: Any) -> None:
+    tokens = _post(live_server, "/tokenize", {"model": MODEL, "messages": CHAT})
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert chat.usage is not None and tokens["count"] == chat.usage.prompt_tokens == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 8192
+    text = _post(live_server, "/detokenize", {"tokens": tokens["tokens"]})["prompt"]
+    assert text.startswith("<|im_start|>") and "Name three colors." in text
+    assert _post(live_server, "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"] == tokens["tokens"]

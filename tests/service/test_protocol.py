@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from pydantic import ValidationError
 
 from scheduler.sampling import SamplingParamsError
+from service.http.chat_protocol import ChatCompletionRequest
 from service.http.errors import APIError, from_validation_error
-from service.http.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
+from service.http.protocol import CompletionRequest, SamplingRequest, resolve_max_tokens
 
 
 def test_sampling_params_carry_every_field() -> None:
@@ -94,7 +97,12 @@ def test_context_length_message_has_the_numbers() -> None:
     assert info.value.status == 400
     assert all(str(n) in info.value.message for n in (120, 130, 30, 100))
     default = CompletionRequest.model_validate({"prompt": "x"})
-    assert resolve_max_tokens(default, 30, 120) == 90
+    assert resolve_max_tokens(default, 30, 120) == 16  # OpenAI's and vLLM's default
+    assert resolve_max_tokens(default, 110, 120) == 10  # capped by what the context leaves
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert resolve_max_tokens(chat, 30, 120) == 90  # chat: the rest of the context
+    assert resolve_max_tokens(chat, 30, 120, default_max_tokens=12) == 12  # generation config
+    assert resolve_max_tokens(default, 30, 120, default_max_tokens=12) == 12
 
 
 def test_stop_checks() -> None:
@@ -142,3 +150,135 @@ def test_documented_ranges(route: str, field: str, bad: list[float], good: list[
             model.model_validate({**base, field: value})
         err = from_validation_error(info.value)
         assert (err.status, err.param) == (400, field) and str(value) in err.message
+
+
+SAMPLING_FIELDS = ["n", "stream", "ignore_eos", "min_tokens", "priority", "stop", "seed", "user", "max_tokens",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+                   "min_p", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "best_of",
+                   "stream_options", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
+                   "bad_words", "truncate_prompt_tokens", "return_token_ids", "response_format", "use_beam_search",
+                   "length_penalty", "prompt_logprobs", "structured_outputs", "guided_json", "logits_processors"]
+
+
+@pytest.mark.parametrize(
+    ("model", "base", "extra"),
+    [
+        (CompletionRequest, {"prompt": "x"}, ["logprobs", "echo", "suffix", "add_special_tokens"]),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": None}]},
+         ["logprobs", "top_logprobs", "max_completion_tokens", "echo", "tools", "tool_choice", "functions",
+          "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"]),
+    ],
+)
+def test_null_means_the_default(model: type[SamplingRequest], base: dict[str, object], extra: list[str]) -> None:
+    """The SDKs send null for what they leave unset: every field takes its default."""
+    nulled = model.model_validate({**base, **dict.fromkeys(SAMPLING_FIELDS + extra)})
+    nulled.check()
+    plain = model.model_validate(base)
+    assert nulled == plain
+    assert nulled.sampling_params(8) == plain.sampling_params(8)
+
+
+def test_unknown_keys_are_ignored_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="service.http.protocol"):
+        req = CompletionRequest.model_validate({"prompt": "x", "frobnicate": 3})
+    req.check()
+    assert "frobnicate" in caplog.text
+
+
+def test_token_controls_reach_sampling_params() -> None:
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "logit_bias": {"42": 100, "7": -100}, "allowed_token_ids": [1, 2, 3]}
+    )
+    req.check()
+    params = req.sampling_params(4, bad_words_token_ids=((5, 6),))
+    assert params.logit_bias == ((42, 100.0), (7, -100.0))
+    assert params.allowed_token_ids == (1, 2, 3)
+    assert params.bad_words_token_ids == ((5, 6),)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias"),
+        ({"bad_words": ["ok", "  "]}, "bad_words"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+    ],
+)
+def test_bad_values_name_the_field(body: dict[str, object], param: str) -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", **body})
+    with pytest.raises(APIError) as info:
+        req.check()
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_stream_options() -> None:
+    def opts(**o: object) -> CompletionRequest:
+        return CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": o})
+
+    assert (opts().include_usage, opts().continuous_usage) == (False, False)
+    assert (opts(include_usage=True).include_usage, opts(include_usage=True).continuous_usage) == (True, False)
+    both = opts(include_usage=True, continuous_usage_stats=True)
+    assert (both.include_usage, both.continuous_usage) == (True, True)
+    alone = opts(continuous_usage_stats=True)  # vLLM's include_usage defaults to true here
+    assert (alone.include_usage, alone.continuous_usage) == (True, True)
+
+
+def test_chat_prompt_fields() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "Sure"}],
+         "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+         "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+    )
+    req.check()
+    assert req.chat_messages()[0] == {"role": "user", "content": "hi", "name": "ann"}
+    assert req.template_vars() == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert req.response_role == "assistant" and req.echo_text() == "Sure"
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert plain.response_role == "assistant" and plain.echo_text() == ""  # the final message is the user's
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults to true
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+         "messages[1].tool_calls"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"echo": True, "logprobs": True}, "echo"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_chat_refusals_name_the_field(body: dict[str, object], param: str) -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    with pytest.raises(APIError) as info:
+        req.check()
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_tools_with_tool_choice_none_go_to_the_template() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                "tool_choice": "none", "response_format": {"type": "text"}})
+    req.check()
+    assert req.tools == tools
+
+
+def test_truncate_prompt_tokens() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "truncate_prompt_tokens": 2})
+    assert req.truncated([1, 2, 3, 4], 100) == [3, 4]
+    assert CompletionRequest.model_validate({"prompt": "x", "truncate_prompt_tokens": -1}).truncated([1, 2, 3], 2) == [2, 3]
+    with pytest.raises(APIError) as info:
+        CompletionRequest.model_validate({"prompt": "x", "truncate_prompt_tokens": 50}).truncated([1], 10)
+    assert info.value.param == "truncate_prompt_tokens"
