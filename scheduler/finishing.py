@@ -10,11 +10,13 @@ from scheduler.request import Request, RequestStatus
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """The finished state `token` (just appended) puts the request in, or None. Sets
-    `req.stop_token_id` when a stop token id (not EOS) ends it."""
+    `req.stop_token_id` when a stop token id (not EOS) ends it. The EOS that ends a
+    structured output's grammar stops it under min_tokens too: nothing may follow it."""
     sp = req.sampling_params
     is_stop_id = token in sp.stop_token_ids
-    stops = is_stop_id or (not sp.ignore_eos and token in req.eos_token_ids)
-    if stops and req.num_output_tokens >= sp.min_tokens:
+    is_eos = not sp.ignore_eos and token in req.eos_token_ids
+    grammar_done = is_eos and sp.grammar is not None
+    if (is_stop_id or is_eos) and (req.num_output_tokens >= sp.min_tokens or grammar_done):
         req.stop_token_id = token if is_stop_id else None  # EOS is no "stop_reason" (vLLM)
         return RequestStatus.FINISHED_STOPPED
     if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:

@@ -43,6 +43,9 @@ class SamplingParams:
     # vLLM's bad_words, as token-id sequences: a word's last token is banned whenever the output
     # ends with the rest of it (a one-token word is always banned)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    # structured outputs: the grammar (llguidance's text, `common.grammar`) every output
+    # token must follow; the worker masks the logits with it, the scheduler never reads it
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -131,6 +134,12 @@ class SamplingParams:
             all(len(w) > 0 and all(t >= 0 for t in w) for w in self.bad_words_token_ids),
             "bad_words",
             "every bad word must tokenize to at least one token",
+        )
+        self._check(
+            self.grammar is None or not self.ignore_eos,
+            "ignore_eos",
+            "ignore_eos cannot be combined with structured outputs: a finished grammar allows "
+            "only the end-of-sequence token",
         )
 
     def token_ids_used(self) -> list[int]:

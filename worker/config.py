@@ -245,3 +245,4 @@ class WorkerInfo:
     extra: dict[str, str] = field(default_factory=dict)  # the start-up probe's measurements
     # bytes/s of one direction of a swap copy, measured at start-up (0: not measured)
     copy_bandwidth: float = 0.0
+    structured_outputs: bool = False  # whether its sampler masks logits by a grammar

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -34,6 +35,7 @@ from service.cli.checks import (
 from service.cli.cpu_scheduling import apply_engine_cpu_scheduling
 from service.cli.serve_args import build_parser
 from service.cli.stats_log import log_stats
+from service.engine.grammars import ServiceGrammars
 from service.engine.loop import AsyncEngine
 from service.engine.metrics import ServiceMetrics
 from service.engine.step_cost_feed import StepCostFeed, calibrate, new_model
@@ -111,6 +113,7 @@ def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
             max_waiting_requests=a["max_waiting_requests"],
             metrics=metrics,
             step_time=StepCostFeed(step_model, sched_config.step_time_limit_s, metrics),
+            grammars=_grammars(info, tokenizer, worker, metrics),
         )
         _log_ready(info, sched_config)
         freeze_startup_heap()
@@ -121,6 +124,17 @@ def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
         )
 
     return build
+
+
+def _grammars(
+    info: WorkerInfo, tokenizer: Any, worker: Any, metrics: ServiceMetrics
+) -> ServiceGrammars | None:
+    """Structured outputs, where the worker masks by a grammar."""
+    if not info.structured_outputs:
+        return None
+    return ServiceGrammars(
+        tokenizer, info.vocab_size, info.eos_token_ids[0], worker.prepare_grammar, metrics
+    )
 
 
 def _metrics(name: str, info: WorkerInfo) -> ServiceMetrics:

@@ -29,6 +29,7 @@ from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.stats import SchedulerStats
 from service.engine.detokenizer import DEFAULT_DETOKENIZE, DetokenizeOptions, Tokenizer, TokenTexts
+from service.engine.grammars import ServiceGrammars
 from service.engine.metrics import ServiceMetrics
 from service.engine.output_processor import OutputProcessor
 from service.engine.step_cost_feed import StepCostFeed
@@ -66,9 +67,11 @@ class AsyncEngine:
         clock: Callable[[], float] = time.monotonic,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         step_time: StepCostFeed | None = None,
+        grammars: ServiceGrammars | None = None,
     ) -> None:
         """`step_time` feeds every step's shape and measured time into the step-cost model
-        the scheduler was given (and exports predicted against measured)."""
+        the scheduler was given (and exports predicted against measured); `grammars`
+        compiles structured-output grammars (None: the worker cannot mask by one)."""
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
@@ -78,6 +81,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.clock = clock
         self.step_time = step_time
+        self.grammars = grammars
         self.dead = asyncio.Event()  # set when the worker died or a step failed
         self.error: str | None = None
         self.output = OutputProcessor(tokenizer, metrics, max_buffered_tokens)
@@ -207,6 +211,8 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._fail_all(EngineDeadError("server is shutting down"))
+        if self.grammars is not None:
+            self.grammars.shutdown()
         await self.worker.shutdown()
 
     async def _wait_all_done(self) -> None:

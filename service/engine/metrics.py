@@ -73,6 +73,15 @@ class ServiceMetrics:
         self.num_requests_swapped = gauge(
             "num_requests_swapped", "Requests swapped out to host memory."
         )
+        self.num_requests_waiting_for_grammar = gauge(
+            "num_requests_waiting_for_grammar",
+            "Requests held before the scheduler while their structured-output grammar compiles.",
+        )
+        self.grammar_compile_seconds = hist(
+            "grammar_compile_seconds",
+            "Time to compile a structured-output grammar not yet in the cache.",
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
         )

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from common.grammar import GrammarError
 from common.tokenizer import apply_chat_template
 from scheduler.sampling import SamplingParams
 from service.engine.detokenizer import decode
@@ -43,6 +44,7 @@ from service.http.protocol import (
     CompletionRequest,
     GenerationDefaults,
     SamplingRequest,
+    not_supported,
     resolve_max_tokens,
 )
 from service.http.sse import DONE, event, merge, open_event_stream
@@ -68,6 +70,7 @@ class _Prepared:
     prompts: list[list[int]]
     bad_words: tuple[tuple[int, ...], ...] = ()
     echo: tuple[str, ...] | None = None  # per prompt, when the request echoes
+    grammar: str | None = None  # structured outputs: compiled, ready for the worker
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -84,7 +87,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo:
         tokenizer = loaded.engine.tokenizer
         echo = tuple(await in_executor(state, _echo_texts, tokenizer, raw_prompts, full, prompts))
-    prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo)
+    grammar = await compiled_grammar(loaded, req)
+    prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo, grammar)
     meta = R.ResponseMeta(_response_id("cmpl", req), int(time.time()), loaded.model_name, False)
     return await _serve(request, state, loaded, req, prepared, meta)
 
@@ -97,7 +101,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(req.model, loaded)
     ids = req.truncated(await chat_prompt_ids(state, loaded, req), loaded.max_model_len)
     echo = (req.echo_text(),) if req.echo else None
-    prepared = _Prepared([ids], await _bad_words(state, loaded, req), echo)
+    grammar = await compiled_grammar(loaded, req)
+    prepared = _Prepared([ids], await _bad_words(state, loaded, req), echo, grammar)
     meta = R.ResponseMeta(
         _response_id("chatcmpl", req), int(time.time()), loaded.model_name, chat=True
     )
@@ -243,6 +248,25 @@ async def _bad_words(
     return words
 
 
+async def compiled_grammar(loaded: LoadedEngine, req: SamplingRequest) -> str | None:
+    """The request's structured-output grammar, compiled (off the loop, cached) before the
+    request is submitted; a 400 naming the field when it does not compile."""
+    found = req.constraint()
+    if found is None:
+        return None
+    param, constraint = found
+    grammars = loaded.engine.grammars
+    if grammars is None:
+        raise not_supported(param, "structured outputs need a model's vocabulary; this worker "
+                            "has none to constrain (the instant stand-in)")
+    try:
+        text = constraint.grammar_text()
+        await grammars.compile(text)
+    except GrammarError as exc:
+        raise bad_request(f"{param}: the constraint does not compile: {exc}", param) from None
+    return text
+
+
 def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """Each bad word as token ids, as vLLM tokenizes them: the word alone, and after a space
     when that starts with another token and has as many (so a word is banned at the start
@@ -265,7 +289,7 @@ def _choices(
     out: list[_Choice] = []
     for p, ids in enumerate(prepared.prompts):
         max_tokens = resolve_max_tokens(req, len(ids), loaded.max_model_len, defaults.max_tokens)
-        params = req.sampling_params(max_tokens, defaults, prepared.bad_words)
+        params = req.sampling_params(max_tokens, defaults, prepared.bad_words, prepared.grammar)
         _check_worker_limits(params, req.n, loaded.vocab_size)
         for i in range(req.n):
             seed = None if params.seed is None else params.seed + i  # siblings must differ

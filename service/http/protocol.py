@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from common.grammar import Constraint, GrammarFormat
 from scheduler.sampling import SamplingParams, SamplingParamsError
 from service.engine.detokenizer import DetokenizeOptions
 from service.http.errors import APIError, bad_request
@@ -119,19 +120,15 @@ class Body(BaseModel):
                 raise not_supported(name, note)
 
 
-_STRUCTURED = "structured outputs are not supported yet"
 SAMPLING_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search"),
     "length_penalty": ((1.0,), "it applies to beam search"),
     "prompt_logprobs": ((), ""),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "structural_tag": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "structural_tag": ((), "structural tags (JSON schema, regex, choice and grammar are)"),
+    "guided_decoding_backend": (
+        ("auto", "guidance", "llguidance"), "a grammar engine other than llguidance"
+    ),
+    "guided_whitespace_pattern": ((), "a custom whitespace pattern"),
     "logits_processors": ((), "custom logits processors"),
     "cache_salt": ((), "a per-request prefix-cache salt"),
     "kv_transfer_params": ((), "disaggregated serving"),
@@ -151,10 +148,63 @@ class StreamOptions(Body):
     include_obfuscation: bool = False
 
 
+class JsonSchemaFormat(Body):
+    """`response_format.json_schema`: a named schema; `strict` is always honoured (the output
+    follows the schema whether or not it is set)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Body):
-    """`response_format`: only "text" (no constraint) is honoured for now."""
+    """`response_format`: text (no constraint), any JSON object, or a JSON schema."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Body):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    REFUSED = {
+        "structural_tag": ((), "structural tags"),
+        "whitespace_pattern": ((), "a custom whitespace pattern"),
+        "disable_additional_properties": ((False,), "rewriting the schema's additionalProperties"),
+    }
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_fallback: bool | None = None  # one grammar engine: never a fallback either way
+    disable_additional_properties: Any = None
+    backend: Any = None
+
+    def constraint(self, param: str) -> Constraint:
+        for name, (neutral, note) in self.REFUSED.items():
+            if not _is_unset(getattr(self, name), neutral):
+                raise not_supported(f"{param}.{name}", note)
+        if self.backend not in (None, "auto", "guidance", "llguidance"):
+            raise not_supported(f"{param}.backend", "a grammar engine other than llguidance")
+        kinds: list[tuple[GrammarFormat, Any]] = [
+            ("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+            ("grammar", self.grammar), ("json_object", self.json_object or None),
+        ]
+        given = [(k, v) for k, v in kinds if v is not None]
+        if len(given) != 1:
+            raise bad_request(
+                f"{param} must set exactly one of json, regex, choice, grammar and "
+                f"json_object; got {[k for k, _ in given] or 'none'}", param,
+            )
+        # vLLM's default lets JSON carry any whitespace; see common.grammar for ours
+        any_ws = self.disable_any_whitespace is False
+        return Constraint(given[0][0], given[0][1], any_whitespace=any_ws)
 
 
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
@@ -203,11 +253,12 @@ class SamplingRequest(Body):
     use_beam_search: Any = None
     length_penalty: Any = None
     prompt_logprobs: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # structured outputs (`constraint`)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     structural_tag: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
@@ -250,8 +301,7 @@ class SamplingRequest(Body):
         self._check_stops()
         self._check_stream_options()
         self.check_refused()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise not_supported("response_format", f"type {self.response_format.type!r}")
+        self.constraint()
         if self.best_of is not None and self.best_of != self.n:
             if self.best_of < self.n:
                 raise bad_request(f"best_of ({self.best_of}) must be at least n ({self.n})",
@@ -261,6 +311,37 @@ class SamplingRequest(Body):
         for i, word in enumerate(self.bad_words or ()):
             if not word.strip():
                 raise bad_request(f"bad_words[{i}] must not be empty or blank", "bad_words")
+
+    def constraint(self) -> tuple[str, Constraint] | None:
+        """The structured-output constraint and the field that set it; None without one.
+        A 400 names the field when it is malformed or more than one field sets one."""
+        found: list[tuple[str, Constraint]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "structural_tag":
+            raise not_supported("response_format", "type 'structural_tag'")
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema",
+                                  "response_format")
+            found.append(("response_format", Constraint("json", rf.json_schema.schema_)))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs",
+                          self.structured_outputs.constraint("structured_outputs")))
+        older: list[tuple[str, GrammarFormat, Any]] = [
+            ("guided_json", "json", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        ]
+        found += [(name, Constraint(kind, spec)) for name, kind, spec in older if spec is not None]
+        if len(found) > 1:
+            raise bad_request(
+                f"only one structured-output constraint per request; got {[n for n, _ in found]}",
+                found[1][0],
+            )
+        return found[0] if found else None
 
     def _check_stops(self) -> None:
         stops = self.stop_strings
@@ -347,6 +428,7 @@ class SamplingRequest(Body):
         max_tokens: int,
         defaults: GenerationDefaults = NO_DEFAULTS,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+        grammar: str | None = None,
     ) -> SamplingParams:
         """Translate to `SamplingParams`, the unset fields from `defaults`; raises
         `SamplingParamsError` for out-of-range values. `bad_words` arrive tokenized."""
@@ -374,6 +456,7 @@ class SamplingRequest(Body):
             logit_bias=self.logit_bias_pairs(),
             allowed_token_ids=None if allowed is None else tuple(allowed),
             bad_words_token_ids=bad_words_token_ids,
+            grammar=grammar,
             **{k: v for k, v in opt.items() if v is not None},
         )
 

@@ -255,7 +255,7 @@ def test_chat_prompt_fields() -> None:
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
         ({"echo": True, "logprobs": True}, "echo"),
         ({"modalities": ["text", "audio"]}, "modalities"),
     ],

@@ -83,6 +83,8 @@ def _recorded(state: ServiceState) -> Iterator[list[tuple[SamplingParams, dict[s
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    # structured outputs: the stand-in has no vocabulary to constrain (a model's server honours
+    # them: test_structured_outputs.py)
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     (CHAT, {"response_format": {"type": "structural_tag", "structures": [], "triggers": []}}, "response_format"),
@@ -96,6 +98,17 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (CHAT, {"guided_regex": "a+"}, "guided_regex"),
     (CHAT, {"guided_choice": ["a", "b"]}, "guided_choice"),
     (COMPLETIONS, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    # malformed or unhonoured whatever the worker
+    (COMPLETIONS, {"structured_outputs": {"regex": "a+", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
+    (COMPLETIONS, {"structured_outputs": {"regex": "a+", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    (COMPLETIONS, {"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+    (COMPLETIONS, {"structured_outputs": {}}, "structured_outputs"),
+    (COMPLETIONS, {"structured_outputs": {"regex": "a+", "backend": "xgrammar"}}, "structured_outputs.backend"),
+    (COMPLETIONS, {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    (COMPLETIONS, {"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    (COMPLETIONS, {"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
     (CHAT, {"echo": True, "logprobs": True}, "echo"),
@@ -158,10 +171,10 @@ def test_refusals_say_not_supported_yet() -> None:
     from service.http.errors import APIError
     from service.http.protocol import CompletionRequest
 
-    req = CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a+"})
+    req = CompletionRequest.model_validate({"prompt": "x", "use_beam_search": True})
     with pytest.raises(APIError) as info:
         req.check()
-    assert "not supported yet" in info.value.message and "guided_regex" in info.value.message
+    assert "not supported yet" in info.value.message and "use_beam_search" in info.value.message
 
 
 # -- honoured --------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     row: int = -1  # row in the persistent arrays; -1 while preempted
+    matcher: Any = None  # its grammar's llguidance matcher (structured outputs), once started
 
     @property
     def num_tokens(self) -> int:

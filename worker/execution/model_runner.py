@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from common.arith import cdiv
+from common.grammar import GrammarCompiler, tokenizer_json
 from common.model_files import resolve_model_path
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling import SamplingParams
@@ -23,6 +24,7 @@ from worker.attention.registry import make_attention_backend
 from worker.attention.step import StepAttention
 from worker.config import WorkerConfig, WorkerInfo
 from worker.execution.copy_probe import measure_copy_bandwidth
+from worker.execution.grammar_masks import GrammarMasks
 from worker.execution.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.execution.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
 from worker.execution.sampler import Sampler, SamplingMetadata
@@ -117,6 +119,7 @@ class ModelRunner(PlanRunner):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         path = Path("<in-memory>") if loaded is not None else resolve_model_path(config.model)
+        self._path = path
         model_config = loaded[0] if loaded is not None else load_config(path)
         self.max_model_len = resolve_max_model_len(config, model_config)
         self.kernels = self._choose_kernels(model_config, path)
@@ -153,6 +156,7 @@ class ModelRunner(PlanRunner):
         )
         self.executor = StepExecutor(self.batch, self)
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
+        self.grammars = GrammarMasks(self._grammar_compiler)
         self.forward, self.compiled, self.compile_note = self._forward()
         log.info("forward: %s", self.compile_note)
         self.info = self._info(path)
@@ -313,7 +317,22 @@ class ModelRunner(PlanRunner):
                 **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
             },
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),
+            structured_outputs=self._path.suffix == ".gguf" or self._path.is_dir(),
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The grammar compiler over this model's tokenizer (structured outputs)."""
+        from common.tokenizer import load_tokenizer
+
+        backend = load_tokenizer(self._path).backend_tokenizer
+        return GrammarCompiler(
+            lambda: tokenizer_json(backend), self.model_config.vocab_size,
+            self.info.eos_token_ids[0],
+        )
+
+    def prepare_grammar(self, text: str) -> None:
+        """Start compiling a grammar a request will need (off the step)."""
+        self.grammars.prepare(text)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -341,6 +360,8 @@ class ModelRunner(PlanRunner):
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             eos_token_ids=self.info.eos_token_ids,
+            grammar_allowed=self.grammars.bitmask(states, logits.shape[-1]),
         )
         out = self.sampler.sample(logits, meta)
+        self.grammars.advance(states, out.token_ids)
         return out.token_ids, out.logprobs

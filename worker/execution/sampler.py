@@ -9,6 +9,7 @@ Order of operations, per row::
         │   has fewer than min_tokens outputs
         ▼ logit_bias: added to the logits
         ▼ penalties: repetition (prompt + output tokens), frequency and presence (output)
+        ▼ grammar (structured outputs): -inf outside the tokens the row's grammar allows
         ├──▶ greedy rows (temperature 0 or top-k 1): argmax
         ▼ random rows: temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ exponential race
 
@@ -32,7 +33,7 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.sampling import SamplingParams
-from worker.execution.token_controls import apply_token_controls
+from worker.execution.token_controls import apply_grammar_mask, apply_token_controls
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
 _MIN_TEMPERATURE = 1e-5
@@ -47,6 +48,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     eos_token_ids: tuple[int, ...] = ()  # the model's; banned with stop ids under min_tokens
+    grammar_allowed: torch.Tensor | None = None  # [rows, vocab] bool: structured outputs
 
 
 @dataclass
@@ -71,8 +73,10 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
         )
+        raw = logits
         logits = apply_token_controls(logits, meta)
         logits = apply_penalties(logits, meta)
+        logits = apply_grammar_mask(logits, raw, meta.grammar_allowed)
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         if len(greedy) == len(params):
             sampled = logits.argmax(dim=-1)

@@ -1,7 +1,8 @@
 """Token controls, the sampler's first stage: the bans (every token outside
 allowed_token_ids; the last token of each bad word whose other tokens end the output; EOS and
 stop ids while a row has fewer than min_tokens outputs) and then logit_bias, on the rows that
-use them. The order and the rule for a row whose bans leave nothing are the sampler's
+use them; and the last stage before the draw, the structured-output grammar's mask. The
+order and the rule for a row whose bans leave nothing are the sampler's
 (`worker.execution.sampler`'s docstring)."""
 
 from __future__ import annotations
@@ -102,3 +103,19 @@ def _check_vocab(params: SamplingParams, vocab: int) -> None:
     for name, ids in fields:
         if ids and max(ids) >= vocab:
             raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary ({vocab})")
+
+
+def apply_grammar_mask(
+    logits: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """-inf outside each row's grammar. A row that the other controls and the grammar
+    together leave without a token (min_tokens banning the end a finished grammar needs)
+    is masked from its raw logits by the grammar alone: the output must follow it."""
+    if allowed is None:
+        return logits
+    allowed = allowed.to(logits.device)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    empty = torch.isinf(masked).all(dim=-1) & allowed.any(dim=-1)
+    if bool(empty.any()):
+        masked[empty] = raw[empty].masked_fill(~allowed[empty], float("-inf"))
+    return masked

@@ -21,6 +21,7 @@ from worker.process.main import DEFAULT_RUNNER_FACTORY, worker_main
 from worker.process.messages import (
     ExecuteStep,
     Message,
+    PrepareGrammar,
     Ready,
     Shutdown,
     StartupFailed,
@@ -134,6 +135,15 @@ class WorkerClient:
             self._mark_dead()
             raise WorkerDiedError(self._death_message()) from None
         self._in_flight += 1
+
+    def prepare_grammar(self, text: str) -> None:
+        """Ask the worker to start compiling a grammar now (it sends no answer)."""
+        if self._conn is None or self._closed or self._dead:
+            return  # the next submit reports the death
+        try:
+            self._conn.send_bytes(encode(PrepareGrammar(text=text)))
+        except OSError:
+            self._mark_dead()
 
     async def get_output(self) -> ModelRunnerOutput:
         """The output of the oldest submitted plan; WorkerDiedError if the worker died."""

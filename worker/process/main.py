@@ -40,6 +40,7 @@ from worker.config import WorkerConfig, WorkerInfo, check_device, refused_field
 from worker.process.messages import (
     ExecuteStep,
     Message,
+    PrepareGrammar,
     Ready,
     Shutdown,
     StartupFailed,
@@ -84,9 +85,12 @@ def worker_main(
 ) -> None:
     """Entry point of the worker process; returns when told to shut down."""
     _setup_process(config)
-    inbox = _start_inbox(conn)  # started first: it watches the parent during a long load
+    grammars = _GrammarRelay()
+    # started first: it watches the parent during a long load
+    inbox = _start_inbox(conn, grammars)
     runner = _build_runner(conn, config, runner_factory)
     if runner is not None:
+        grammars.prepare = getattr(runner, "prepare_grammar", None)
         # after start-up: the warm-up has started the pool
         if config.helper_cpu_scheduling != "normal":
             from worker.process.cpu_scheduling import (
@@ -126,19 +130,35 @@ def _normal_scheduling() -> None:
             logger.warning("could not set the worker back to SCHED_OTHER: %s", exc)
 
 
-def _start_inbox(conn: Connection) -> queue.SimpleQueue[Message]:
+class _GrammarRelay:
+    """Hands `PrepareGrammar` texts to the runner from the inbox thread, so a compile starts
+    while a step runs; a runner without structured outputs has no `prepare`."""
+
+    def __init__(self) -> None:
+        self.prepare: Callable[[str], None] | None = None
+
+    def __call__(self, text: str) -> None:
+        if self.prepare is not None:
+            self.prepare(text)
+
+
+def _start_inbox(conn: Connection, grammars: _GrammarRelay) -> queue.SimpleQueue[Message]:
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
     parent = multiprocessing.parent_process()
     parent_pid = parent.pid if parent is not None else os.getppid()
     thread = threading.Thread(
-        target=_read_inbox, args=(conn, inbox, parent_pid), name="worker-inbox", daemon=True
+        target=_read_inbox, args=(conn, inbox, parent_pid, grammars), name="worker-inbox",
+        daemon=True,
     )
     thread.start()
     return inbox
 
 
 def _read_inbox(
-    conn: Connection, inbox: queue.SimpleQueue[Message], parent_pid: int | None
+    conn: Connection,
+    inbox: queue.SimpleQueue[Message],
+    parent_pid: int | None,
+    grammars: _GrammarRelay,
 ) -> None:
     """Move messages from the pipe to `inbox`; leave the process when the parent is gone."""
     while True:
@@ -152,6 +172,9 @@ def _read_inbox(
             _parent_gone("the pipe to the parent closed")
         except Exception as exc:  # an undecodable message: the protocol is broken, stop
             _parent_gone(f"unreadable message from the parent ({type(exc).__name__}: {exc})")
+        if isinstance(message, PrepareGrammar):
+            grammars(message.text)
+            continue
         inbox.put(message)
         if isinstance(message, Shutdown):
             return

@@ -9,6 +9,7 @@ serializer (pickle, over a multiprocessing pipe). Conversation::
       │ ───────── ExecuteStep(plan) ────▶ │
       │ ───────── ExecuteStep(plan) ────▶ │   up to two plans in flight
       │ ◀──────── StepResult(output) ──── │   outputs in plan order
+      │ ───────── PrepareGrammar(text) ─▶ │   compiled at once, beside any step; no answer
       │ ───────── Shutdown() ───────────▶ │   exits cleanly
 """
 
@@ -52,12 +53,20 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class PrepareGrammar:
+    """Parent -> worker: a request will need this grammar (structured outputs); compile it
+    in the background now."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Parent -> worker: finish the current step, then exit."""
 
 
-Message = Ready | StartupFailed | ExecuteStep | StepResult | Shutdown
-_MESSAGE_TYPES = (Ready, StartupFailed, ExecuteStep, StepResult, Shutdown)
+Message = Ready | StartupFailed | ExecuteStep | StepResult | PrepareGrammar | Shutdown
+_MESSAGE_TYPES = (Ready, StartupFailed, ExecuteStep, StepResult, PrepareGrammar, Shutdown)
 
 
 def encode(message: Message) -> bytes:
