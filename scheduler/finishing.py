@@ -38,4 +38,5 @@ def request_output(req: Request, token: int | None, out: ModelRunnerOutput) -> R
         len(req.prompt_token_ids),
         len(req.output_token_ids),
         req.metrics.num_cached_prompt_tokens,
+        out.prompt_logprobs.get(req.request_id, ()) if token is not None else (),
     )

@@ -59,8 +59,10 @@ class KVCacheManager:
         return self._block_key(request, i)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks holding the longest cached prefix; leaves at least one token to compute."""
-        if not self.pool.enable_caching:
+        """Blocks holding the longest cached prefix; leaves at least one token to compute.
+        None for a request that asks for its prompt's logprobs: a hit would skip positions
+        whose logprobs it needs, so it computes them all (its blocks are cached for others)."""
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         for i in range((request.num_tokens - 1) // self.block_size):

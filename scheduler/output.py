@@ -80,6 +80,7 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int | None = None  # the token's rank by logprob (1: most likely), when computed
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class ModelRunnerOutput:
     # req id -> the token sampled this step; absent for a chunk that did not reach the end.
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req id -> its prompt's logprobs (None for the first token), sent with its first token
+    prompt_logprobs: dict[str, tuple[TokenLogprobs | None, ...]] = field(default_factory=dict)
     error: str | None = None  # the step failed; the traceback is in the worker's log
     # seconds the worker spent executing the plan (0: not measured); a timing, not part of
     # what the output says, so equality ignores it
@@ -110,3 +113,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()

@@ -46,6 +46,9 @@ class SamplingParams:
     # structured outputs: the grammar (llguidance's text, `common.grammar`) every output
     # token must follow; the worker masks the logits with it, the scheduler never reads it
     grammar: str | None = None
+    # vLLM's prompt_logprobs: the log-probability of each prompt token (after the first) and
+    # this many top alternatives at its position (0: the token's alone); None: not computed
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -87,6 +90,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",
             f"logprobs must be between 0 and 20, got {self.logprobs}",
+        )
+        self._check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
         )
         self._check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -182,6 +182,7 @@ class OutputProcessor:
             out.num_cached_tokens,
             reason,
             stop_reason,
+            out.prompt_logprobs,
         ):
             return reason
         behind = state.stream.num_buffered_tokens

@@ -70,6 +70,8 @@ class StreamDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # the prompt's logprobs (None for its first token), on the first delta when asked for
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class RequestStream:
@@ -78,7 +80,7 @@ class RequestStream:
     __slots__ = (
         "request_id", "num_prompt_tokens", "max_buffered_tokens", "finished", "ended", "_abort",
         "_texts", "_ids", "_lps", "_finish_reason", "_stop_reason", "_num_output", "_num_cached",
-        "_ready", "_error", "_waiter",
+        "_ready", "_error", "_waiter", "_prompt_lps",
     )
 
     def __init__(
@@ -104,6 +106,7 @@ class RequestStream:
         self._ready = False  # the pending delta is worth waking the reader for
         self._error: EngineError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._prompt_lps: tuple[TokenLogprobs | None, ...] | None = None
 
     # -- engine side -------------------------------------------------------------------
 
@@ -116,10 +119,13 @@ class RequestStream:
         num_cached_tokens: int,
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
+        prompt_logprobs: tuple[TokenLogprobs | None, ...] = (),
     ) -> bool:
         """Merge one step's delta into the pending one; False if the buffer overflowed."""
         if self.ended:
             return True
+        if prompt_logprobs:
+            self._prompt_lps = prompt_logprobs
         if text:
             self._texts.append(text)
             self._ready = True
@@ -194,7 +200,9 @@ class RequestStream:
             self.num_prompt_tokens,
             self._num_output,
             self._num_cached,
+            self._prompt_lps,
         )
+        self._prompt_lps = None
         self._texts.clear()
         self._ids.clear()
         self._lps.clear()

@@ -337,6 +337,8 @@ def _shape(
         prompt_ids=tuple(prepared.prompts),
         return_token_ids=req.return_token_ids,
         echo=prepared.echo,
+        echo_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+        prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
@@ -396,6 +398,15 @@ def _generation_error(exc: EngineError) -> APIError:
     return APIError(500, f"generation failed: {exc}")
 
 
+def _prompt_alone(delta: StreamDelta) -> StreamDelta:
+    """A delta of a max_tokens 0 request (echo): its one sampled token left out."""
+    finish = "length" if delta.finished else None
+    return dataclasses.replace(
+        delta, text="", token_ids=(), logprobs=(), num_output_tokens=0, finish_reason=finish,
+        stop_reason=None,
+    )
+
+
 def _prompt_tokens(shape: R.ResponseShape) -> int:
     return sum(len(ids) for ids in shape.prompt_ids)
 
@@ -410,8 +421,11 @@ async def _whole(
     results = [R.ChoiceResult(index=i) for i in indices]
     cached = 0
     try:
-        async for pos, delta in merge(streams):
+        async for pos, raw in merge(streams):
+            delta = raw if req.generates else _prompt_alone(raw)
             res = results[pos]
+            if delta.prompt_logprobs is not None:
+                res.prompt_logprobs = delta.prompt_logprobs
             res.text += delta.text
             res.token_ids.extend(delta.token_ids)
             res.logprobs.extend(delta.logprobs)
@@ -491,26 +505,40 @@ class _EventBuilder:
         self.started = [False] * len(indices)
         self.sent_prompt_ids = False
         self.cached = 0
+        self.generates = req.generates
 
     def content(self, pos: int, delta: StreamDelta) -> bytes:
         index, shape = self.indices[pos], self.shape
+        delta = delta if self.generates else _prompt_alone(delta)
         self.num_output[pos] = delta.num_output_tokens
         if delta.finished and index % self.n == 0:  # a prompt counts once, as in prompt_tokens
             self.cached += delta.num_cached_tokens
         first, self.started[pos] = not self.started[pos], True
-        text = shape.echoed(index) + delta.text if first else delta.text
+        echo = shape.echoed(index) if first else ""
         logprobs = (
-            _delta_logprobs(shape.token_text, self.meta, delta, self.offsets[pos])
+            _delta_logprobs(shape.token_text, self.meta, delta, self.offsets[pos] + len(echo))
             if shape.want_logprobs
             else None
         )
+        prompt_ids = shape.prompt_ids[shape.prompt_of(index)]
+        if first and logprobs is not None and shape.echo_logprobs is not None:
+            prompt = R.echoed_logprobs(
+                shape.token_text, prompt_ids, delta.prompt_logprobs, shape.echo_logprobs
+            )
+            logprobs = R.join_logprobs(prompt, logprobs)
+        text = echo + delta.text
         self.offsets[pos] += len(text)
         role = shape.role if first and self.meta.chat else None
         choice = R.stream_choice(
             self.meta, index, text, delta.finish_reason, delta.stop_reason, logprobs, role
         )
         extra = self._token_ids(choice, first, index, delta)
-        prompt_ids = shape.prompt_ids[shape.prompt_of(index)]
+        if first and shape.prompt_logprobs:
+            lps = R.vllm_prompt_logprobs(shape.token_text, prompt_ids, delta.prompt_logprobs)
+            if self.meta.chat:
+                extra = {**(extra or {}), "prompt_logprobs": lps}
+            else:
+                choice["prompt_logprobs"] = lps
         usage = (
             R.usage(len(prompt_ids), delta.num_output_tokens) if self.continuous_usage else None
         )

@@ -123,7 +123,6 @@ class Body(BaseModel):
 SAMPLING_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search"),
     "length_penalty": ((1.0,), "it applies to beam search"),
-    "prompt_logprobs": ((), ""),
     "structural_tag": ((), "structural tags (JSON schema, regex, choice and grammar are)"),
     "guided_decoding_backend": (
         ("auto", "guidance", "llguidance"), "a grammar engine other than llguidance"
@@ -249,10 +248,11 @@ class SamplingRequest(Body):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     request_id: Annotated[str | None, Field(min_length=1, max_length=128)] = None
+    # the prompt's logprobs with this many alternatives (-1, the whole vocabulary, is refused)
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     # declared to be refused by name (see REFUSED)
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
     # structured outputs (`constraint`)
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured outputs
@@ -295,6 +295,14 @@ class SamplingRequest(Body):
     @property
     def tenant(self) -> str | None:
         return self.user or self.safety_identifier
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    @property
+    def generates(self) -> bool:
+        """Whether the response shows generated tokens (completions' max_tokens 0 does not)."""
+        return True
 
     def check(self) -> None:
         """Checks pydantic cannot express, and the refusals of what is not honoured yet."""
@@ -457,6 +465,7 @@ class SamplingRequest(Body):
             allowed_token_ids=None if allowed is None else tuple(allowed),
             bad_words_token_ids=bad_words_token_ids,
             grammar=grammar,
+            prompt_logprobs=self.num_prompt_logprobs(),
             **{k: v for k, v in opt.items() if v is not None},
         )
 
@@ -471,6 +480,7 @@ class CompletionRequest(SamplingRequest):
     }
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int | None, Field(ge=0)] = None  # 0: with echo, the prompt alone
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -479,6 +489,23 @@ class CompletionRequest(SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` returns the prompt's logprobs too, with as many
+        alternatives as the generated tokens'."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        return max(asked) if asked else None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens 0 (with echo) computes the prompt and samples one token, which the
+        response leaves out."""
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @property
+    def generates(self) -> bool:
+        """False for max_tokens 0: the response is the echoed prompt alone."""
+        return self.max_tokens != 0
 
     def unset_max_tokens(self) -> int | None:
         return COMPLETION_MAX_TOKENS
@@ -496,8 +523,8 @@ class CompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:
-            raise not_supported("echo", "with logprobs it needs the prompt's logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
 
 
 def resolve_max_tokens(

@@ -48,6 +48,9 @@ class ResponseShape:
     prompt_ids: tuple[list[int], ...] = ()  # each prompt's token ids
     return_token_ids: bool = False
     echo: tuple[str, ...] | None = None  # per prompt: the text written before the completion
+    # completions' logprobs start with the echoed prompt's, with this many alternatives
+    echo_logprobs: int | None = None
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
 
     def prompt_of(self, index: int) -> int:
         return index // self.n
@@ -72,6 +75,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 def usage(
@@ -106,6 +110,50 @@ def completion_logprobs(
         "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+def echoed_logprobs(
+    token_text: TokenText,
+    prompt_ids: list[int],
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None,
+    k: int,
+) -> dict[str, Any]:
+    """The completions `logprobs` object of an echoed prompt with `k` alternatives: null
+    for its first token (or for every token, if they were not computed), offsets from 0."""
+    lps = prompt_logprobs or (None,) * len(prompt_ids)
+    body = completion_logprobs(token_text, prompt_ids, (), 0)
+    body["token_logprobs"] = [None if lp is None else lp.logprob for lp in lps]
+    body["top_logprobs"] = [
+        None if lp is None else {token_text(t): v for t, v in lp.top[:k]} for lp in lps
+    ]
+    return body
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completions `logprobs` objects one after the other."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    token_text: TokenText,
+    prompt_ids: list[int],
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None,
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else its id and its
+    top alternatives' ids -> {logprob, rank, decoded_token}."""
+    if prompt_logprobs is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for token_id, lp in zip(prompt_ids, prompt_logprobs, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                 "decoded_token": token_text(token_id)}}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": token_text(t)})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(
@@ -151,13 +199,14 @@ def full_response(
             )
         else:
             item["text"] = text
-            item["logprobs"] = (
-                completion_logprobs(shape.token_text, c.token_ids, c.logprobs, 0)
-                if shape.want_logprobs
-                else None
-            )
+            item["logprobs"] = _completion_logprobs(shape, c) if shape.want_logprobs else None
             if shape.return_token_ids:
                 item["prompt_token_ids"] = shape.prompt_ids[shape.prompt_of(c.index)]
+            if shape.prompt_logprobs:
+                prompt = shape.prompt_ids[shape.prompt_of(c.index)]
+                item["prompt_logprobs"] = vllm_prompt_logprobs(
+                    shape.token_text, prompt, c.prompt_logprobs
+                )
         if shape.return_token_ids:
             item["token_ids"] = c.token_ids
         out.append(item)
@@ -171,7 +220,21 @@ def full_response(
     }
     if meta.chat and shape.return_token_ids:
         body["prompt_token_ids"] = shape.prompt_ids[0]
+    if meta.chat and shape.prompt_logprobs:  # vLLM puts a chat's on the response
+        first = choices[0].prompt_logprobs if choices else None
+        body["prompt_logprobs"] = vllm_prompt_logprobs(shape.token_text, shape.prompt_ids[0], first)
     return body
+
+
+def _completion_logprobs(shape: ResponseShape, c: ChoiceResult) -> dict[str, Any]:
+    """A whole choice's logprobs: the echoed prompt's first when echo asked for them."""
+    echo = shape.echoed(c.index)
+    generated = completion_logprobs(shape.token_text, c.token_ids, c.logprobs, len(echo))
+    if shape.echo_logprobs is None:
+        return generated
+    prompt = shape.prompt_ids[shape.prompt_of(c.index)]
+    echoed = echoed_logprobs(shape.token_text, prompt, c.prompt_logprobs, shape.echo_logprobs)
+    return join_logprobs(echoed, generated)
 
 
 def chunk(

@@ -109,8 +109,9 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
-    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
-    (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
+    (COMPLETIONS, {"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
+    (COMPLETIONS, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     (CHAT, {"echo": True, "logprobs": True}, "echo"),
     (COMPLETIONS, {"best_of": 3, "n": 1}, "best_of"),
     (COMPLETIONS, {"suffix": "The end."}, "suffix"),
@@ -345,6 +346,40 @@ async def test_echo(app: tuple[TestClient, ServiceState], tokenizer: Any) -> Non
     assert echo_reply["choices"][0]["message"]["content"] == "The colour is" + reply["choices"][0]["message"]["content"]
     chunks = await _events(client, CHAT, **ask, echo=True)
     assert chunks[0]["choices"][0]["delta"]["content"].startswith("The colour is")
+
+
+@ON_APP_LOOP
+async def test_echo_with_logprobs_and_prompt_logprobs(app: tuple[TestClient, ServiceState], tokenizer: Any) -> None:
+    """The evaluation harnesses' request (echo, logprobs, max_tokens 0 or 1) and vLLM's
+    prompt_logprobs, in their shapes (the stand-in's logprobs are made up: 0.0 for the
+    token, which comes first; their values on a model: test_prompt_logprobs.py)."""
+    client, _ = app
+    prompt = [101, 202, 303, 404]
+    texts = [tokenizer.decode([t]) for t in prompt]
+    one = await _post(client, COMPLETIONS, prompt=prompt, max_tokens=1, echo=True, logprobs=1, ignore_eos=True)
+    lp = one["choices"][0]["logprobs"]
+    assert lp["tokens"][:4] == texts and len(lp["tokens"]) == 5
+    assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1:4] == [0.0, 0.0, 0.0]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {texts[1]: 0.0}
+    assert lp["text_offset"][:4] == [0, len(texts[0]), len(texts[0] + texts[1]), len("".join(texts[:3]))]
+    assert lp["text_offset"][4] == len(one["choices"][0]["text"]) - len(lp["tokens"][4])
+    assert one["usage"]["completion_tokens"] == 1
+    zero = await _post(client, COMPLETIONS, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    (choice,) = zero["choices"]
+    assert choice["text"] == "".join(texts) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == texts and choice["logprobs"]["top_logprobs"][1] == {}
+    assert zero["usage"]["completion_tokens"] == 0 and "prompt_logprobs" not in choice
+    events = await _events(client, COMPLETIONS, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert events[0]["choices"][0]["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    vllm = await _post(client, COMPLETIONS, prompt=prompt, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    (pl0, pl1, *_rest) = vllm["choices"][0]["prompt_logprobs"]
+    assert pl0 is None and pl1[str(prompt[1])] == {"logprob": 0.0, "rank": 1, "decoded_token": texts[1]}
+    assert len(pl1) == 2 and vllm["choices"][0]["logprobs"] is None
+    chat = await _post(client, CHAT, messages=USER, max_tokens=1, prompt_logprobs=0)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    chunks = await _events(client, CHAT, messages=USER, max_tokens=1, prompt_logprobs=0)
+    assert chunks[0]["prompt_logprobs"] == chat["prompt_logprobs"]
 
 
 @ON_APP_LOOP

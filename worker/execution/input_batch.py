@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from common.arith import cdiv
-from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput, TokenLogprobs
 from scheduler.sampling import SamplingParams
 from worker.attention.metadata import AttentionMetadata
 
@@ -54,10 +54,23 @@ class RequestState:
     num_computed_tokens: int = 0
     row: int = -1  # row in the persistent arrays; -1 while preempted
     matcher: Any = None  # its grammar's llguidance matcher (structured outputs), once started
+    # its prompt's logprobs by position while its prompt is computed (prompt_logprobs asked)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def prompt_positions(self, count: int) -> range:
+        """Positions of a `count`-token chunk from `num_computed_tokens` whose logits give a
+        prompt token's logprob (position p: token p + 1), when this request asks for them
+        and has no output yet; their slots in `prompt_logprobs` exist once this is called."""
+        if self.sampling_params.prompt_logprobs is None or self.output_token_ids:
+            return range(0)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        start = self.num_computed_tokens
+        return range(start, min(start + count, len(self.prompt_token_ids) - 1))
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,12 @@ class InstantRunner(PlanRunner):
         check_swap_pairs(swap_out, swap_in, self.info.num_gpu_blocks, self.info.num_cpu_blocks)
 
     def run(self, step: StepInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
+        for state, count in step.scheduled:
+            for pos in state.prompt_positions(count):
+                k = state.sampling_params.prompt_logprobs or 0
+                fake = _fake_logprobs(state.prompt_token_ids[pos + 1], k)
+                assert state.prompt_logprobs is not None
+                state.prompt_logprobs[pos + 1] = TokenLogprobs(0.0, fake.top, rank=1)
         tokens = [self._next_token(state) for state in step.sampling_states]
         logprobs = [
             None

@@ -27,6 +27,7 @@ from worker.execution.copy_probe import measure_copy_bandwidth
 from worker.execution.grammar_masks import GrammarMasks
 from worker.execution.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
 from worker.execution.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, num_gpu_blocks
+from worker.execution.logprobs import token_logprobs
 from worker.execution.sampler import Sampler, SamplingMetadata
 from worker.execution.step_executor import PlanRunner, StepExecutor
 from worker.model.compiled_forward import Forward, compile_forward
@@ -320,6 +321,25 @@ class ModelRunner(PlanRunner):
             structured_outputs=self._path.suffix == ".gguf" or self._path.is_dir(),
         )
 
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> None:
+        """Each prompt token's logprob (from the raw logits, as vLLM's prompt_logprobs) at the
+        positions this step computes, for the requests that ask; a prompt split into chunks
+        fills its positions chunk by chunk."""
+        start = 0
+        for state, count in step.scheduled:
+            positions = state.prompt_positions(count)
+            if positions:
+                first = start + positions.start - state.num_computed_tokens
+                rows = hidden[first : first + len(positions)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                targets = state.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+                k = state.sampling_params.prompt_logprobs or 0
+                store = state.prompt_logprobs
+                assert store is not None
+                for pos, lp in zip(positions, token_logprobs(logprobs, targets, k), strict=True):
+                    store[pos + 1] = lp
+            start += count
+
     def _grammar_compiler(self) -> GrammarCompiler:
         """The grammar compiler over this model's tokenizer (structured outputs)."""
         from common.tokenizer import load_tokenizer
@@ -350,6 +370,7 @@ class ModelRunner(PlanRunner):
         to_device = self.batch.to_device
         attention = self.attention.bind(self.batch.attention_metadata(step))
         hidden = self.forward(to_device(step.input_ids), to_device(step.positions), attention)
+        self._prompt_logprobs(step, hidden)
         states = step.sampling_states
         if not states:
             return [], []

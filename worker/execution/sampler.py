@@ -33,6 +33,7 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.sampling import SamplingParams
+from worker.execution.logprobs import gather_logprobs
 from worker.execution.token_controls import apply_grammar_mask, apply_token_controls
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
@@ -90,7 +91,7 @@ class Sampler:
         token_ids = sampled.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
-            for row, lp in zip(want_logprobs, _gather_logprobs(raw_logprobs, sampled[want_logprobs],
+            for row, lp in zip(want_logprobs, gather_logprobs(raw_logprobs, sampled[want_logprobs],
                                                               [params[i] for i in want_logprobs]),
                                strict=True):
                 logprobs[row] = lp
@@ -226,22 +227,3 @@ def apply_top_k_top_p(
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _gather_logprobs(
-    logprobs: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
-) -> list[TokenLogprobs]:
-    """The sampled token's logprob and the top-n alternatives, one device-to-host copy each."""
-    chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    max_n = max(p.logprobs or 0 for p in params)
-    top_vals: list[list[float]] = [[] for _ in params]
-    top_ids: list[list[int]] = [[] for _ in params]
-    if max_n > 0:
-        vals, ids = logprobs.topk(max_n, dim=-1)
-        top_vals, top_ids = vals.tolist(), ids.tolist()
-    out = []
-    for r, p in enumerate(params):
-        n = p.logprobs or 0
-        top = tuple(zip(top_ids[r][:n], top_vals[r][:n], strict=True))
-        out.append(TokenLogprobs(logprob=chosen[r], top=top))
-    return out

@@ -58,7 +58,19 @@ class StepExecutor:
             logprobs={
                 s.req_id: lp for s, lp in zip(states, logprobs, strict=True) if lp is not None
             },
+            prompt_logprobs=_finished_prompts(states),
         )
+
+
+def _finished_prompts(states: list[RequestState]) -> dict[str, tuple[TokenLogprobs | None, ...]]:
+    """The prompt logprobs of the requests that sampled their first token this step; they
+    travel once, with it."""
+    out = {}
+    for state in states:
+        if state.prompt_logprobs is not None and len(state.output_token_ids) == 1:
+            out[state.req_id] = tuple(state.prompt_logprobs)
+            state.prompt_logprobs = None
+    return out
 
 
 class PlanRunner:
