@@ -8,6 +8,9 @@ lengths):
     prefill     one at a time: 1,000-token prompts -> 1 token (prefill tokens/s from TTFT)
     saturating  64 requests of mixed lengths sent at once (total and output tokens/s, ITL, TTFT)
     poisson     48 requests at a Poisson rate (TTFT, ITL, TPOT)
+    structured  16 chat requests at once, each constrained by one JSON schema
+                (`response_format`, which llama-server enforces too) that runs the whole
+                128-token budget (TPOT, output tokens/s)
 
 Prints JSON: both summaries per scenario and stepserve / llama-server ratios. With `--rounds
 N` both servers run N times, which goes first alternating, and each ratio is the median of
@@ -42,6 +45,7 @@ from bench.servers import (
     running,
     stepserve_cmd,
 )
+from bench.structured import RESPONSE_FORMAT
 
 KEYS = (
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -65,6 +69,11 @@ SCENARIOS: dict[str, list[str]] = {
         "--num-prompts", "48", "--prompt-len", "uniform:20:600", "--output-len", "uniform:32:256",
         "--request-rate", "1.5",
     ],
+    "structured": [
+        "--endpoint", "/v1/chat/completions", "--num-prompts", "16", "--prompt-len", "64",
+        "--output-len", "128", "--request-rate", "inf", "--no-ignore-eos",
+        "--extra-body", json.dumps({"response_format": RESPONSE_FORMAT}),
+    ],
 }
 # ratio name -> (summary key, scenario, higher is better)
 RATIOS = {
@@ -79,6 +88,8 @@ RATIOS = {
     "poisson_ttft_p50": ("median_ttft_ms", "poisson", False),
     "poisson_itl_p99": ("p99_itl_ms", "poisson", False),
     "poisson_tpot": ("median_tpot_ms", "poisson", False),
+    "structured_tpot": ("median_tpot_ms", "structured", False),
+    "structured_output_tokens_per_s": ("output_throughput", "structured", True),
 }
 
 

@@ -61,6 +61,13 @@ def _flag(parse: Callable[[str], T]) -> Callable[[str], T]:
     return convert
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `stepserve bench` flags (vLLM names where the concept is the same)."""
     p = argparse.ArgumentParser(prog="stepserve bench", description=__doc__.split("\n")[0])
@@ -96,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help='comma-separated percentiles of those metrics, e.g. "25,50,99" (default: 99)',
     )
+    p.add_argument("--extra-body", type=_flag(_json_object), default=None, metavar="JSON",
+                   help="a JSON object merged into every request's body (as vllm bench's), e.g. "
+                   "'{\"response_format\": {\"type\": \"json_object\"}}'")
     p.add_argument("--result-json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -238,7 +248,8 @@ async def _main_async(args: argparse.Namespace) -> int:
         else args.dataset in ("synthetic", "shared-prefix")
     )
     target = Target(url=args.base_url.rstrip("/") + args.endpoint, model=model,
-                    api_key=args.api_key, ignore_eos=ignore_eos, temperature=args.temperature)
+                    api_key=args.api_key, ignore_eos=ignore_eos, temperature=args.temperature,
+                    extra_body=args.extra_body or {})
     if target.chat and any(r.prompt_text is None for r in requests):
         raise ValueError("the chat endpoint needs text prompts: drop --no-tokenizer")
     records, duration = await run_benchmark(

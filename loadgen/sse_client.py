@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -31,6 +31,7 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False  # ask for exactly max_tokens (ignore_eos + min_tokens)
     temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request
 
     @property
     def chat(self) -> bool:
@@ -62,6 +63,7 @@ def build_payload(target: Target, req: WorkloadRequest) -> dict[str, Any]:
         body["priority"] = req.priority
     if req.user is not None:
         body["user"] = req.user
+    body.update(target.extra_body)
     return body
 
 

@@ -275,6 +275,18 @@ def test_cli_chat_endpoint(server: FakeServer, tmp_path: Path) -> None:
     assert all(len(itls) == 2 for itls in out["itls"])
 
 
+def test_cli_extra_body_reaches_every_request(server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server.bodies.clear()
+    fmt = {"response_format": {"type": "json_object"}, "top_k": 5}
+    rc = main(["--base-url", server.url, "--api-key", API_KEY, "--no-tokenizer", "--num-prompts", "2", "--prompt-len", "4",
+               "--output-len", "2", "--model", "fake-model", "--disable-tqdm", "--extra-body", json.dumps(fmt)])
+    assert rc == 0 and len(server.bodies) == 2
+    assert all(b["response_format"] == fmt["response_format"] and b["top_k"] == 5 for b in server.bodies)
+    with pytest.raises(SystemExit) as exc:
+        main(["--base-url", server.url, "--extra-body", "[1]"])
+    assert exc.value.code == 2 and "--extra-body" in capsys.readouterr().err
+
+
 def test_cli_rejects_token_prompts_on_chat(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--base-url", server.url, "--endpoint", "/v1/chat/completions", "--model", "m",
                "--no-tokenizer", "--num-prompts", "1", "--disable-tqdm"])
