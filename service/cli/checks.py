@@ -55,6 +55,8 @@ class CheckedFlags:
 
 def check_serve_flags(args: argparse.Namespace) -> CheckedFlags:
     """Every check that can run before the port is bound; raises FlagError."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise FlagError("--enable-auto-tool-choice", "needs --tool-call-parser")
     check_scheduler_flags(args)
     worker = check_worker_flags(args)
     path = check_model(worker)

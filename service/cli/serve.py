@@ -202,6 +202,7 @@ async def serve(args: argparse.Namespace, checked: CheckedFlags) -> int:
         enable_debug_endpoints=a["enable_debug_endpoints"],
         enable_dashboard=not a["disable_dashboard"],
         stream_stall_timeout=a["stream_stall_timeout"],
+        tool_call_parser=a["tool_call_parser"] if a["enable_auto_tool_choice"] else None,
     )
     refusal = Refusal()
     app = create_app(config, engine_factory(args, refusal), checked.generation_defaults)

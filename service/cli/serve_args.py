@@ -21,6 +21,7 @@ from service.cli.cpu_scheduling import DEFAULT_ENGINE_CPU_SCHEDULING, ENGINE_CPU
 from service.cli.stats_log import DEFAULT_INTERVAL_S
 from service.cli.version import package_version
 from service.http.state import DEFAULT_MAX_BODY_SIZE
+from service.http.tool_calls import TOOL_CALL_PARSERS
 from worker.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -123,6 +124,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", type=_chat_template, default=None,
                    help="chat template: a Jinja file or the template itself (default: the "
                    "model's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto': parse tool calls out of free output with "
+                   "--tool-call-parser (named and 'required' choices need neither)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format the model writes (hermes: <tool_call> JSON)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults of unset request fields: auto (the model dir's "
                    "generation_config.json), vllm (none) or a dir holding one")

@@ -1,13 +1,15 @@
-"""OpenAI-compatible chat bodies: messages (text content parts; assistant tool calls and
-tool results are refused by name until tool calls are served), the chat prompt's template
-options (shared with /tokenize), and `ChatCompletionRequest`."""
+"""OpenAI-compatible chat bodies: messages (text content parts, assistant tool calls, tool
+results), the chat prompt's template options (shared with /tokenize), and
+`ChatCompletionRequest` with its tool choice (`service.http.tool_calls`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from common.grammar import Constraint
 from service.http.errors import APIError, bad_request
 from service.http.protocol import (
     MAX_TOP_LOGPROBS,
@@ -17,6 +19,7 @@ from service.http.protocol import (
     SamplingRequest,
     not_supported,
 )
+from service.http.tool_calls import forced_schema
 
 
 class ContentPart(Body):
@@ -30,8 +33,7 @@ class ChatMessage(Body):
     """One message of a chat; content may be a string or a list of text parts."""
 
     REFUSED = {
-        "tool_calls": ((), "tool calls"),
-        "function_call": ((), "function calls"),
+        "function_call": ((), "function calls (the deprecated form of tool calls)"),
         "audio": ((), "this server serves a text-only model"),
         "refusal": ((), ""),
     }
@@ -42,7 +44,7 @@ class ChatMessage(Body):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_call_id: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[dict[str, Any]] | None = None
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
@@ -56,8 +58,8 @@ class ChatMessage(Body):
 
     def check_at(self, at: str) -> None:
         """The refusals for this message, `at` naming it (`messages[2]`)."""
-        if self.role in ("tool", "function"):
-            raise not_supported(f"{at}.role", f"{self.role!r} messages (tool results)")
+        if self.role == "function":
+            raise not_supported(f"{at}.role", "'function' messages (use 'tool' messages)")
         try:
             self.check_refused()
         except APIError as exc:
@@ -75,10 +77,25 @@ class ChatMessage(Body):
             "role": "system" if self.role == "developer" else self.role,
             "content": self.text(),
         }
-        for key in ("name", "reasoning_content", "reasoning"):
+        for key in ("name", "reasoning_content", "reasoning", "tool_call_id"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
         return out
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call as templates read it: `arguments` as an object when it is
+    JSON text (as vLLM hands it to templates), else as sent."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class ChatPrompt(Body):
@@ -136,7 +153,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
     echo: bool = False  # vLLM: start the reply with the final message when it has its role
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True  # no tool is ever called (tools are refused)
+    parallel_tool_calls: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     include_reasoning: bool = True  # no reasoning is split from the content to leave out
     modalities: list[Literal["text", "audio"]] | None = None
@@ -169,16 +186,34 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     def check(self) -> None:
         super().check()
         self.check_prompt()
-        if self.tool_choice not in (None, "none"):
-            raise not_supported("tool_choice", "tool calling; only 'none'")
-        if self.tools and self.tool_choice is None:  # OpenAI's default with tools is "auto"
-            raise not_supported("tools", "tool calling; with tool_choice 'none' they are "
-                                "shown to the model in its chat template")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if self.tools:
+            forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)  # checks
         if self.modalities and "audio" in self.modalities:
             raise not_supported("modalities", "this server serves a text-only model")
         if self.echo and self.logprobs:
             raise not_supported("echo", "with logprobs it needs the prompt's logprobs")
         self.num_logprobs()
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """How tools are called: not at all, parsed from free output, or forced by a grammar.
+        With tools and no tool_choice, OpenAI's default is auto."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not self.tools or choice == "none":
+            return "none"
+        return "auto" if choice == "auto" else "forced"
+
+    def constraint(self) -> tuple[str, Constraint] | None:
+        """A forced tool choice's schema, or the request's own constraint; not both."""
+        own = super().constraint()
+        if self.tool_mode != "forced":
+            return own
+        if own is not None:
+            raise bad_request(f"a forced tool_choice cannot be combined with {own[0]}", own[0])
+        schema = forced_schema(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+        return "tool_choice", Constraint("json", schema)
 
     def template_vars(self) -> dict[str, Any]:
         out = super().template_vars()

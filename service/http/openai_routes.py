@@ -50,6 +50,7 @@ from service.http.protocol import (
 from service.http.sse import DONE, event, merge, open_event_stream
 from service.http.stall import GuardedWriter
 from service.http.state import STATE, LoadedEngine, ServiceState
+from service.http.tool_calls import ToolStream
 
 MAX_CHOICES = 256  # prompts x n in one request
 
@@ -99,6 +100,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = ChatCompletionRequest.model_validate(await read_json(request))
     req.check()
     check_model(req.model, loaded)
+    if req.tool_mode == "auto" and state.config.tool_call_parser is None:
+        raise bad_request(
+            '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+            '--tool-call-parser (tools with no tool_choice default to "auto"; "none", "required" '
+            "and a named function need neither)", "tool_choice",
+        )
     ids = req.truncated(await chat_prompt_ids(state, loaded, req), loaded.max_model_len)
     echo = (req.echo_text(),) if req.echo else None
     grammar = await compiled_grammar(loaded, req)
@@ -339,6 +346,8 @@ def _shape(
         echo=prepared.echo,
         echo_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
         prompt_logprobs=req.prompt_logprobs is not None,
+        tool_mode=req.tool_mode if isinstance(req, ChatCompletionRequest) else "none",
+        tool_choice=req.tool_choice if isinstance(req, ChatCompletionRequest) else None,
     )
 
 
@@ -474,10 +483,12 @@ async def _write_events(
     try:
         if len(streams) == 1:  # most requests: read the stream itself, no merging layer
             async for delta in streams[0]:
-                await writer.write(events.content(0, delta))
+                if data := events.content(0, delta):
+                    await writer.write(data)
         else:
             async for pos, delta in merge(streams):
-                await writer.write(events.content(pos, delta))
+                if data := events.content(pos, delta):
+                    await writer.write(data)
     except EngineError as exc:
         err = _generation_error(exc)
         await writer.write(event(error_body(err.status, err.message)))
@@ -506,6 +517,8 @@ class _EventBuilder:
         self.sent_prompt_ids = False
         self.cached = 0
         self.generates = req.generates
+        self.tools = [ToolStream(shape.tool_choice) if shape.tool_mode != "none" else None
+                      for _ in indices]
 
     def content(self, pos: int, delta: StreamDelta) -> bytes:
         index, shape = self.indices[pos], self.shape
@@ -529,8 +542,17 @@ class _EventBuilder:
         text = echo + delta.text
         self.offsets[pos] += len(text)
         role = shape.role if first and self.meta.chat else None
+        reason, fields = delta.finish_reason, None
+        tools = self.tools[pos]
+        if tools is not None:
+            fields = tools.feed(text, delta.finished)
+            if fields is None and not (first or delta.finished):
+                return b""  # held back: part of a tool call, or of its opening tag
+            if reason == "stop" and tools.calls:
+                reason = "tool_calls"
         choice = R.stream_choice(
-            self.meta, index, text, delta.finish_reason, delta.stop_reason, logprobs, role
+            self.meta, index, text, reason, delta.stop_reason, logprobs, role,
+            fields if fields is not None or tools is None else {},
         )
         extra = self._token_ids(choice, first, index, delta)
         if first and shape.prompt_logprobs:

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from scheduler.output import TokenLogprobs
+from service.http.tool_calls import forced_calls, hermes_calls
 
 TokenText = Callable[[int], str]  # a token id's own text (`service.engine.detokenizer.TokenTexts`)
 
@@ -51,6 +52,8 @@ class ResponseShape:
     # completions' logprobs start with the echoed prompt's, with this many alternatives
     echo_logprobs: int | None = None
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
+    tool_mode: str = "none"  # chat: "auto" (parsed) or "forced" (a grammar) tool calls
+    tool_choice: Any = None
 
     def prompt_of(self, index: int) -> int:
         return index // self.n
@@ -192,6 +195,9 @@ def full_response(
         text = shape.echoed(c.index) + c.text
         if meta.chat:
             item["message"] = {"role": shape.role, "content": text}
+            if shape.tool_mode != "none" and c.finish_reason == "stop":
+                calls = _tool_message(shape, c.text, item["message"])
+                item["finish_reason"] = "tool_calls" if calls else c.finish_reason
             item["logprobs"] = (
                 chat_logprobs(shape.token_text, c.token_ids, c.logprobs)
                 if shape.want_logprobs
@@ -224,6 +230,23 @@ def full_response(
         first = choices[0].prompt_logprobs if choices else None
         body["prompt_logprobs"] = vllm_prompt_logprobs(shape.token_text, shape.prompt_ids[0], first)
     return body
+
+
+def _tool_message(shape: ResponseShape, text: str, message: dict[str, Any]) -> bool:
+    """Put the tool calls a finished chat choice made on its `message`; False if none."""
+    if shape.tool_mode == "forced":
+        try:
+            calls = forced_calls(text, shape.tool_choice)
+        except ValueError:  # cut short (a stop string): the text stays the content
+            return False
+        content = None
+    else:
+        content, calls = hermes_calls(text)
+    if not calls:
+        return False
+    message["content"] = content
+    message["tool_calls"] = [call.body() for call in calls]
+    return True
 
 
 def _completion_logprobs(shape: ResponseShape, c: ChoiceResult) -> dict[str, Any]:
@@ -301,10 +324,14 @@ def stream_choice(
     stop_reason: str | int | None,
     logprobs: dict[str, Any] | None,
     role: str | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The choice object of a content chunk; a chat choice's first one carries its `role`."""
+    """The choice object of a content chunk; a chat choice's first one carries its `role`.
+    `fields` replace a chat delta's content (tool calls)."""
     item: dict[str, Any] = {"index": index}
-    if meta.chat:
+    if meta.chat and fields is not None:
+        item["delta"] = {"role": role, **fields} if role is not None else fields
+    elif meta.chat:
         if role is not None:
             item["delta"] = {"role": role, "content": text}
         else:

@@ -39,6 +39,7 @@ class AppConfig:
     enable_debug_endpoints: bool = False
     enable_dashboard: bool = True  # GET /dashboard and its record stream
     tokenizer_threads: int = 2
+    tool_call_parser: str | None = None  # tool_choice auto parses calls with it (None: refused)
     stream_stall_timeout: float = (
         DEFAULT_STALL_TIMEOUT  # seconds a client may stop reading an SSE stream
     )

@@ -196,6 +196,7 @@ def test_a_vllm_users_command_line_serves(tmp_path: Path, start_server: Any) -> 
          "needs --scheduling-policy='priority'"),
         (["--preemption-mode", "swap"], "--preemption-mode", "swap space"),
         (["--generation-config", "/nowhere"], "--generation-config", "auto, vllm or a directory"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice", "needs --tool-call-parser"),
     ],
 )
 def test_refused_flags_exit_2_naming_the_flag_before_the_port_is_bound(

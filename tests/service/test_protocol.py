@@ -246,13 +246,16 @@ def test_chat_prompt_fields() -> None:
     [
         ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults to true
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-        ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
-         "messages[1].tool_calls"),
+        ({"messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0].content[0].type"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}], "tool_choice": "none"}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"response_format": {"type": "structural_tag"}}, "response_format"),
@@ -282,3 +285,31 @@ def test_truncate_prompt_tokens() -> None:
     with pytest.raises(APIError) as info:
         CompletionRequest.model_validate({"prompt": "x", "truncate_prompt_tokens": 50}).truncated([1], 10)
     assert info.value.param == "truncate_prompt_tokens"
+
+
+def test_tool_history_reaches_the_template() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    req.check()
+    _, assistant, tool = req.chat_messages()
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # as templates read it
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+
+
+def test_tool_modes_and_forced_constraints() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "g"}}]
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    modes = {None: "auto", "auto": "auto", "none": "none", "required": "forced"}
+    for choice, mode in modes.items():
+        req = ChatCompletionRequest.model_validate({**base, "tool_choice": choice})
+        req.check()
+        assert req.tool_mode == mode
+    named = ChatCompletionRequest.model_validate({**base, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    param, constraint = named.constraint()  # type: ignore[misc]
+    assert param == "tool_choice" and constraint.spec == tools[0]["function"]["parameters"]
+    one = ChatCompletionRequest.model_validate({**base, "tool_choice": "required", "parallel_tool_calls": False})
+    _, c = one.constraint()  # type: ignore[misc]
+    assert c.spec["maxItems"] == 1 and [a["properties"]["name"]["enum"] for a in c.spec["items"]["anyOf"]] == [["f"], ["g"]]

@@ -88,7 +88,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     (CHAT, {"response_format": {"type": "structural_tag", "structures": [], "triggers": []}}, "response_format"),
-    (CHAT, {"tools": [TOOL]}, "tools"),
+    (CHAT, {"tools": [TOOL]}, "tool_choice"),  # "auto" by default: this server has no parser
     (CHAT, {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
     (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
@@ -115,9 +115,14 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (CHAT, {"echo": True, "logprobs": True}, "echo"),
     (COMPLETIONS, {"best_of": 3, "n": 1}, "best_of"),
     (COMPLETIONS, {"suffix": "The end."}, "suffix"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
-    (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),  # the stand-in: no grammar
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),  # no tools
+    (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    (CHAT, {"tools": [{"type": "function"}], "tool_choice": "none"}, "tools"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[0].type"),
     (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),

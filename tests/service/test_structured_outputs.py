@@ -1,8 +1,10 @@
-"""Structured outputs through the HTTP API of a live `stepserve serve` on the default model,
-with the official `openai` client unmodified: `response_format` (a JSON schema, a pydantic
-model through `parse`, any JSON object), vLLM's `structured_outputs` and its older `guided_*`
-names, streamed and whole; a constraint that does not compile is a 400 naming its field and
-changes nothing; the compile shows in /metrics."""
+"""Structured outputs and tool calls through the HTTP API of a live `stepserve serve` on the
+default model, with the official `openai` client unmodified: `response_format` (a JSON
+schema, a pydantic model through `parse`, any JSON object), vLLM's `structured_outputs` and
+its older `guided_*` names, streamed and whole; a constraint that does not compile is a 400
+naming its field and changes nothing; the compile shows in /metrics; a forced tool choice
+(named or required) returns calls whose arguments validate, whole and streamed, and tool
+results in the history reach the model."""
 
 from __future__ import annotations
 
@@ -114,3 +116,63 @@ def test_compiles_are_cached_and_counted(client: openai.OpenAI, live_server: Any
         resp = client.completions.create(model=MODEL, prompt="x", max_tokens=10, temperature=0, extra_body=body)
         assert re.fullmatch("(ab){2,3}c", resp.choices[0].text)
     assert _metric(_metrics(live_server), "stepserve:grammar_compile_seconds_count") == before + 1
+
+
+# -- tool calls: a forced choice is a grammar ----------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                                      "required": ["a", "b"], "additionalProperties": False}}},
+]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_returns_a_valid_call(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60, temperature=0)  # type: ignore[arg-type]
+    (choice,) = resp.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)  # type: ignore[union-attr]
+
+
+def test_a_streamed_tool_call_reassembles_to_the_same_arguments(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": WEATHER_ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    parts = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert parts[0].id and parts[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert "".join(p.function.arguments or "" for p in parts) == whole.choices[0].message.tool_calls[0].function.arguments  # type: ignore[index, union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_one_or_more_tools(client: openai.OpenAI) -> None:
+    for parallel in (True, False):
+        resp = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+                                              parallel_tool_calls=parallel, max_tokens=120, temperature=0)
+        (choice,) = resp.choices
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])  # type: ignore[union-attr]
+
+
+def test_tool_results_in_the_history_reach_the_model(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60, temperature=0)  # type: ignore[arg-type]
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    history = [*WEATHER_ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    resp = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    assert resp.choices[0].message.content and resp.usage is not None
+    assert resp.usage.prompt_tokens > first.usage.prompt_tokens + 5  # type: ignore[union-attr]
+
+
+def test_auto_needs_a_parser_on_this_server(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, max_tokens=5)  # type: ignore[arg-type]
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "tool_choice"
