@@ -53,6 +53,8 @@ class GrammarMasks:
         with self._lock:
             if text in self._pending:
                 return
+            # compiles no request came for (an aborted one's) are dropped once done
+            self._pending = {t: f for t, f in self._pending.items() if not f.done()}
             self._pending[text] = self._pool.submit(self._compile_quietly, text)
 
     def _compile_quietly(self, text: str) -> None:
