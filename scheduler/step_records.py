@@ -62,7 +62,7 @@ def empty_record(step: int) -> Record:
         "new": [], "resumed": [], "swapped_in": [], "preempted": [], "aborted": [],
         "tokens": 0, "first": [], "finished": [],
         "swap_out": 0, "swap_in": 0,
-        "running": 0, "waiting": 0, "swapped": 0,
+        "running": 0, "waiting": 0, "swapped": 0, "waiting_for_grammar": 0,
         "kv": [0, 0, 0],
         "blocks": None,
     }

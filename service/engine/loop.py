@@ -93,6 +93,8 @@ class AsyncEngine:
         self._stats: SchedulerStats = scheduler.stats()
         self._last_output_time = clock()
         self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
+        if grammars is not None:
+            self.step_records.grammar_waiting = lambda: grammars.num_waiting
         if step_time is not None:
             self.step_records.set_predictor(step_time.predicted)
             self.step_records.time_target_ms = (

@@ -161,6 +161,8 @@ class StepRecordHub:
             None  # the scheduler's step-time target, once it has one
         )
         self.published = 0
+        # how many requests wait for their grammar's compile (structured outputs), if any can
+        self.grammar_waiting: Callable[[], int] | None = None
         # the last joined run of entries: (first, last, count, bytes), for viewers in step
         self.joined: tuple[_Entry, _Entry, int, bytes] | None = None
         self._submitted: dict[int, float] = {}
@@ -234,6 +236,8 @@ class StepRecordHub:
             plan, outputs, now, now - max(submitted, last), output.execute_time, delivered
         )
         if rec is not None:
+            if self.grammar_waiting is not None and (held := self.grammar_waiting()):
+                rec["waiting_for_grammar"] = held
             self.publish(rec)
 
     def publish(self, rec: Record) -> None:

@@ -288,3 +288,22 @@ async def test_keys_of_requests_that_leave_unscheduled_are_swept() -> None:
     assert len(hub.recorder._keys) <= 2 * len(sched.requests) + 256
     assert "cmpl-runner" in hub.recorder._keys
     sub.take()
+
+
+async def test_requests_waiting_for_a_grammar_show_in_the_records() -> None:
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=64))
+    worker = MirrorWorker(4, 64)
+    sched.add_request(make_request("r", 6, 4))
+    hub = StepRecordHub(sched, clock=lambda: 0.0)
+    sub = hub.subscribe()
+    waiting = [0]
+    hub.grammar_waiting = lambda: waiting[0]
+    for t in range(2):
+        waiting[0] = 2 * t
+        plan = sched.schedule(float(t))
+        hub.on_plan(plan, float(t))
+        out = worker.execute(plan)
+        hub.on_output(plan, out, sched.update_from_output(plan, out, float(t)), float(t))
+    first, second = _taken(sub)
+    assert "waiting_for_grammar" not in first  # compacted away at 0
+    assert check_step(second, 64)["waiting_for_grammar"] == 2

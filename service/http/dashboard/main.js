@@ -83,7 +83,8 @@ function render() {
     if (p.follow) p.scroll.scrollTop = p.scroll.scrollHeight;
     const last = m.last ? `step ${m.last.step}` : "no step yet";
     p.stats.textContent = `${last} · ${m.steps} steps shown${m.gapSteps ? ` (+${m.gapSteps} dropped)` : ""} · ` +
-      `${m.preemptions} preemptions · running ${c.running}, waiting ${c.waiting}, swapped ${c.swapped} · ` +
+      `${m.preemptions} preemptions · running ${c.running}, waiting ${c.waiting}` +
+      (c.grammar ? ` (+${c.grammar} for a grammar's compile)` : "") + `, swapped ${c.swapped} · ` +
       `KV used ${c.kv[0]}, cached ${c.kv[1]}, free ${c.kv[2]} of ${m.numBlocks} · ${m.tokens} tokens` +
       (m.truncated ? " · viewer fell behind: some request events lost" : "");
     Object.assign(p.el.dataset, { steps: m.steps, preemptions: m.preemptions, finished: m.finished });

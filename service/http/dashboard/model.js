@@ -112,7 +112,8 @@ export class RunModel {
       const lane = this.lanes.get(id); if (lane) this.addSegment(lane, t0, t1, "padding", 1);
     }
     this.lifecycle(rec, t0, t1);
-    this.counts = { running: rec.running, waiting: rec.waiting, swapped: rec.swapped, kv: rec.kv };
+    this.counts = { running: rec.running, waiting: rec.waiting, swapped: rec.swapped, kv: rec.kv,
+                    grammar: rec.waiting_for_grammar || 0 };
     this.tokens += rec.tokens;
     if (rec.blocks) this.applyBlocks(rec.blocks);
     this.pushHistory(t1, rec.preempted.length);
