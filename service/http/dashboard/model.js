@@ -10,7 +10,7 @@ export const EMPTY_STEP = {
   type: "step", step: 0, t: 0, step_ms: null, execute_ms: null, predicted_ms: null,
   decode: [], prefill: [], padding: [], padded_tokens: 0, new: [], resumed: [], swapped_in: [],
   preempted: [], aborted: [], tokens: 0, first: [], finished: [], swap_out: 0, swap_in: 0,
-  running: 0, waiting: 0, swapped: 0, kv: [0, 0, 0], blocks: null,
+  running: 0, waiting: 0, swapped: 0, waiting_for_grammar: 0, kv: [0, 0, 0], blocks: null,
 };
 
 const MAX_HISTORY = 20000; // queue-chart points kept
@@ -113,7 +113,7 @@ export class RunModel {
     }
     this.lifecycle(rec, t0, t1);
     this.counts = { running: rec.running, waiting: rec.waiting, swapped: rec.swapped, kv: rec.kv,
-                    grammar: rec.waiting_for_grammar || 0 };
+                    grammar: rec.waiting_for_grammar };
     this.tokens += rec.tokens;
     if (rec.blocks) this.applyBlocks(rec.blocks);
     this.pushHistory(t1, rec.preempted.length);
