@@ -108,7 +108,7 @@ async def test_add_special_tokens(app: tuple[TestClient, ServiceState], tokenize
         ("/tokenize", {"messages": CONVO, "continue_final_message": True}, 400, "continue_final_message"),
         ("/tokenize", {"messages": CHAT, "mm_processor_kwargs": {"size": 1}}, 400, "mm_processor_kwargs"),
         ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
-        ("/tokenize", {"messages": [{"role": "tool", "content": "1"}]}, 400, "messages[0].role"),
+        ("/tokenize", {"messages": [{"role": "function", "content": "1", "name": "f"}]}, 400, "messages[0].role"),
         ("/detokenize", {}, 400, "tokens"),
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
