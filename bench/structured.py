@@ -72,7 +72,8 @@ def engine_costs() -> dict[str, Any]:
     from common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
-    compiler = GrammarCompiler(lambda: tokenizer_json(tokenizer.backend_tokenizer), 49152, 2)
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    compiler = GrammarCompiler(lambda: tokenizer_json(tokenizer.backend_tokenizer), vocab, eos)
     t0 = time.perf_counter()
     compiler.tokenizer()
     setup_ms = (time.perf_counter() - t0) * 1e3
@@ -86,7 +87,7 @@ def engine_costs() -> dict[str, Any]:
     doc = json.dumps({"station": "north", "readings": [round(0.37 * i, 2) for i in range(120)]},
                      separators=(",", ":"))
     ids = tokenizer.encode(doc, add_special_tokens=False)
-    mask = np.zeros((49152 + 31) // 32, dtype=np.int32)
+    mask = np.zeros((vocab + 31) // 32, dtype=np.int32)
     times = []
     for token in ids:
         t0 = time.perf_counter()

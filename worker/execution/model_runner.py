@@ -332,11 +332,15 @@ class ModelRunner(PlanRunner):
                 first = start + positions.start - state.num_computed_tokens
                 rows = hidden[first : first + len(positions)]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                targets = state.prompt_token_ids[positions.start + 1 : positions.stop + 1]
-                k = state.sampling_params.prompt_logprobs or 0
+                targets = torch.tensor(
+                    state.prompt_token_ids[positions.start + 1 : positions.stop + 1],
+                    device=logprobs.device,
+                )
+                counts = [state.sampling_params.prompt_logprobs or 0] * len(positions)
                 store = state.prompt_logprobs
                 assert store is not None
-                for pos, lp in zip(positions, token_logprobs(logprobs, targets, k), strict=True):
+                found = token_logprobs(logprobs, targets, counts, with_rank=True)
+                for pos, lp in zip(positions, found, strict=True):
                     store[pos + 1] = lp
             start += count
 

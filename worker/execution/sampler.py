@@ -33,7 +33,7 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.sampling import SamplingParams
-from worker.execution.logprobs import gather_logprobs
+from worker.execution.logprobs import token_logprobs
 from worker.execution.token_controls import apply_grammar_mask, apply_token_controls
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow).
@@ -91,9 +91,9 @@ class Sampler:
         token_ids = sampled.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
-            for row, lp in zip(want_logprobs, gather_logprobs(raw_logprobs, sampled[want_logprobs],
-                                                              [params[i] for i in want_logprobs]),
-                               strict=True):
+            counts = [params[i].logprobs or 0 for i in want_logprobs]
+            gathered = token_logprobs(raw_logprobs, sampled[want_logprobs], counts)
+            for row, lp in zip(want_logprobs, gathered, strict=True):
                 logprobs[row] = lp
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
