@@ -11,15 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scheduler.slo import SLOClasses
 from scheduler.step_cost import StepCostFn, flop_rate_cost
 
-SchedulingPolicy = Literal["fcfs", "priority", "sjf", "fair"]
+SchedulingPolicy = Literal["fcfs", "priority", "sjf", "fair", "slo"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
-VictimPolicy = Literal["newest", "priority", "fewest_output", "least_remaining", "largest_kv"]
+VictimPolicy = Literal[
+    "newest", "priority", "fewest_output", "least_remaining", "largest_kv", "slack"
+]
 Predictor = Literal["learned", "max_tokens"]
-SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "sjf", "fair")
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "sjf", "fair", "slo")
 VICTIM_POLICIES: tuple[VictimPolicy, ...] = (
-    "newest", "priority", "fewest_output", "least_remaining", "largest_kv",
+    "newest", "priority", "fewest_output", "least_remaining", "largest_kv", "slack",
 )
 PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 
@@ -82,6 +85,13 @@ class SchedulerConfig:
     # to their predicted time / (1 - share), so prefill keeps this share of every step
     # (0: the budget is a cap).
     min_prefill_share: float = 0.5
+    # Objectives (scheduler/slo.py): the server's per class, for requests that set none.
+    # Every policy measures against them; "slo" schedules by them (docs/scheduling.md).
+    slo_classes: SLOClasses = field(default_factory=SLOClasses)
+    slo_demotion_s: float = 10.0  # slo: how long a request whose deadline is lost yields
+    # Answer a request whose TTFT objective the forecast says cannot be met with a refusal
+    # and the predicted wait until it could be (the server's 429 with Retry-After).
+    reject_unmeetable: bool = False
     step_cost: StepCostFn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +159,10 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if not 0.0 <= self.min_prefill_share < 1.0:  # also rejects NaN
             raise ValueError(f"min_prefill_share must be in [0, 1), got {self.min_prefill_share}")
+        if not (self.slo_demotion_s >= 0 and self.slo_demotion_s < float("inf")):
+            raise ValueError(f"slo_demotion_s must be >= 0 seconds, got {self.slo_demotion_s}")
+        if self.reject_unmeetable and self.step_cost is None:
+            raise ValueError("reject_unmeetable needs a step-cost model to forecast with")
 
     @property
     def step_time_limit_s(self) -> float:
@@ -190,4 +204,6 @@ class SchedulerConfig:
     def effective_victim_policy(self) -> VictimPolicy:
         if self.victim_policy is not None:
             return self.victim_policy
+        if self.scheduling_policy == "slo":
+            return "slack"
         return "priority" if self.scheduling_policy == "priority" else "newest"

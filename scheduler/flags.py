@@ -24,6 +24,7 @@ from scheduler.config import (
     token_budget,
 )
 from scheduler.fairness import parse_tenant_weights
+from scheduler.slo import SLO, SLOClasses, parse_slo, parse_slo_classes
 
 _DEFAULTS = SchedulerConfig()
 
@@ -65,6 +66,20 @@ def _tenant_weights(value: str) -> tuple[tuple[str, float], ...]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return weights
+
+
+def _slo(value: str) -> SLO:
+    try:
+        return parse_slo(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _slo_class(value: str) -> tuple[tuple[str, SLO], ...]:
+    try:
+        return parse_slo_classes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -109,10 +124,10 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
     add = g.add_argument
     add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
         help="waiting-queue order: fcfs, priority (aged), sjf (shortest predicted first, aged), "
-             "fair (per `user`)")
+             "fair (per `user`), slo (least slack first; steps held to the tightest TPOT)")
     add("--victim-policy", choices=VICTIM_POLICIES, default=d.victim_policy,
         help="which running request preemption evicts (default: priority under the priority "
-             "policy, else newest)")
+             "policy, slack under slo, else newest)")
     add("--aging-period", type=POSITIVE, default=d.aging_period,
         help="priority: seconds of waiting that raise a request one priority level "
              "(default %(default)s)")
@@ -127,6 +142,20 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
         help="sjf: tokens of predicted work forgiven per second waited (default %(default)g)")
     add("--tenant-weights", type=_tenant_weights, default=d.tenant_weights,
         help='fair: share weights, e.g. alice=2,bob=1, or a JSON file {"alice": 2}; others weigh 1')
+    add("--default-slo", type=_slo, default=d.slo_classes.default, metavar="ttft=MS,tpot=MS",
+        help="objectives of a request that sets none (slo_ttft_ms / slo_tpot_ms), e.g. "
+             "ttft=2000,tpot=150 (default: none)")
+    add("--slo-class", type=_slo_class, action="append", default=[],
+        metavar="CLASS=ttft=MS,tpot=MS",
+        help="objectives of a class, over the default: user:NAME or priority:N, e.g. "
+             "user:batch=ttft=60000,tpot=none; repeat, or a JSON file "
+             '{"user:batch": {"ttft_ms": 60000, "tpot_ms": null}}')
+    add("--slo-demotion-s", type=NON_NEGATIVE, default=d.slo_demotion_s,
+        help="slo: seconds a request whose deadline is lost (or that has none) yields to "
+             "meetable ones (default %(default)g)")
+    add("--reject-unmeetable", action="store_true", default=d.reject_unmeetable,
+        help="answer a request whose TTFT objective the forecast says cannot be met with 429 "
+             "and the predicted wait until it could be (Retry-After)")
 
 
 # Flags whose dest is a SchedulerConfig field of the same name and value.
@@ -134,7 +163,7 @@ FLAG_FIELDS = (
     "max_step_ms", "min_prefill_share", "max_num_seqs", "block_size", "enable_chunked_prefill",
     "long_prefill_token_threshold", "enable_prefix_caching", "preemption_mode", "scheduling_policy",
     "victim_policy", "aging_period", "priority_preemption_threshold", "output_len_predictor",
-    "sjf_aging_rate", "tenant_weights",
+    "sjf_aging_rate", "tenant_weights", "slo_demotion_s", "reject_unmeetable",
 )
 
 
@@ -142,6 +171,11 @@ def from_args(ns: argparse.Namespace, *, max_model_len: int, **runtime: Any) -> 
     """The config of the flags in `ns`, with `max_model_len` resolved by the command and
     `runtime` fields (num_gpu_blocks, step_cost, ...) that no flag sets."""
     fields = {name: getattr(ns, name) for name in FLAG_FIELDS}
+    classes = tuple(entry for given in ns.slo_class for entry in given)
+    try:
+        fields["slo_classes"] = SLOClasses(ns.default_slo, classes)
+    except ValueError as exc:  # a class named twice across --slo-class flags
+        raise ValueError(f"--slo-class: {exc}") from None
     budget = token_budget(ns.max_num_batched_tokens, ns.enable_chunked_prefill, max_model_len)
     return SchedulerConfig(**{**fields, **runtime, "max_model_len": max_model_len,
                               "max_num_batched_tokens": budget})

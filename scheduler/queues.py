@@ -1,6 +1,7 @@
 """Waiting queues, chosen by policy (`make_waiting_queue`): `FCFSQueue`, `PriorityQueue`
-(with aging), `SJFQueue` (shortest predicted work, with aging) and, in
-`scheduler/fairness.py`, `FairQueue` (per-tenant Virtual Token Counter).
+(with aging), `SJFQueue` (shortest predicted work, with aging), `SLOQueue` (least slack
+first, deadlines lost demoted for a bounded time) and, in `scheduler/fairness.py`,
+`FairQueue` (per-tenant Virtual Token Counter).
 
 Each hands out the next request to admit with `peek(now)` / `pop(now)`; a request preempted
 by recompute goes back with `push_front` and keeps its arrival time and priority.
@@ -19,6 +20,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.fairness import FairnessMeter, FairQueue
 from scheduler.predictor import remaining_work
 from scheduler.request import Request
+from scheduler.slo import PrefillTime, due
+from scheduler.step_cost import recompute_time
 
 
 class FCFSQueue:
@@ -177,7 +180,109 @@ class SJFQueue:
         return remaining_work(request) - self.aging_rate * wait, request.arrival_time
 
 
-WaitingQueue = FCFSQueue | PriorityQueue | SJFQueue | FairQueue
+class SLOQueue:
+    """Least slack first (policy "slo"): a request's key is the latest time its work can
+    start and still meet what it is due (`slo.due`): ``due - prefill_time(tokens to
+    compute)``. Slack is ``key - now``, and `now` is common to all, so one heap ordered by
+    the constant key is exact while keys lie ahead.
+
+    **Lost deadlines.** A request whose key has passed (its objective can no longer be met)
+    is demoted: its key becomes ``key + demotion_s``, so meetable work goes first for at
+    most `demotion_s` seconds; then it ranks ahead of every request still meetable (their
+    keys are >= now). A request with no objective counts as lost on arrival:
+    ``arrival + demotion_s``. No request starves: its key is fixed once it is late, and
+    every request arriving after that key (plus the longest prefill) ranks behind it.
+    """
+
+    def __init__(self, prefill_time: PrefillTime, demotion_s: float) -> None:
+        self.prefill_time = prefill_time
+        self.demotion_s = demotion_s
+        self._meetable: list[tuple[float, int, Request]] = []
+        self._late: list[tuple[float, int, Request]] = []
+        self._live: dict[int, int] = {}  # id(request) -> sequence of its live heap entry
+        self._seq = itertools.count()
+        self.num_demoted = 0  # requests demoted when their deadline was lost (cumulative)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        for heap in (self._meetable, self._late):
+            yield from (r for _, seq, r in heap if self._live.get(id(r)) == seq)
+
+    def latest_start(self, request: Request) -> float | None:
+        """When its work must start to meet what it is due; None: it has no objective left."""
+        when = due(request)
+        if when is None:
+            return None
+        todo = request.num_tokens - request.num_computed_tokens
+        return when - (self.prefill_time(todo) if todo > 1 else 0.0)
+
+    def key(self, request: Request, now: float) -> float:
+        """Its place in the queue at `now` (smaller first)."""
+        start = self.latest_start(request)
+        if start is None:
+            return request.arrival_time + self.demotion_s
+        return start if start >= now else start + self.demotion_s
+
+    def push(self, request: Request) -> None:
+        seq = next(self._seq)
+        self._live[id(request)] = seq
+        start = self.latest_start(request)
+        if start is None:
+            heapq.heappush(self._late, (request.arrival_time + self.demotion_s, seq, request))
+        else:
+            heapq.heappush(self._meetable, (start, seq, request))
+
+    push_front = push  # a preempted request is ranked by what it is due next
+
+    def _clean(self, heap: list[tuple[float, int, Request]]) -> None:
+        while heap and self._live.get(id(heap[0][2])) != heap[0][1]:
+            heapq.heappop(heap)
+
+    def _demote(self, now: float) -> None:
+        meetable = self._meetable
+        while True:
+            self._clean(meetable)
+            if not meetable or meetable[0][0] >= now:
+                return
+            start, seq, req = heapq.heappop(meetable)
+            heapq.heappush(self._late, (start + self.demotion_s, seq, req))
+            self.num_demoted += 1
+
+    def _best(self, now: float) -> list[tuple[float, int, Request]]:
+        self._demote(now)
+        self._clean(self._late)
+        heaps = [h for h in (self._meetable, self._late) if h]
+        if not heaps:
+            raise IndexError("peek from an empty queue")
+        return min(heaps, key=lambda h: h[0][:2])
+
+    def peek(self, now: float) -> Request:
+        return self._best(now)[0][2]
+
+    def pop(self, now: float) -> Request:
+        req = heapq.heappop(self._best(now))[2]
+        del self._live[id(req)]
+        return req
+
+    def remove(self, request: Request) -> None:
+        del self._live[id(request)]
+
+    def rank(self, request: Request, now: float) -> tuple[float, float]:
+        return self.key(request, now), request.arrival_time
+
+
+WaitingQueue = FCFSQueue | PriorityQueue | SJFQueue | FairQueue | SLOQueue
+
+
+def prefill_time_of(config: SchedulerConfig) -> PrefillTime:
+    """Seconds one request's prefill of n tokens adds to the steps it rides in, by the
+    step-cost model (0 without one: deadlines alone then order the queue)."""
+    cost = config.step_cost
+    if cost is None:
+        return lambda n: 0.0
+    return lambda n: recompute_time(cost, n)
 
 
 def make_waiting_queue(config: SchedulerConfig, meter: FairnessMeter) -> WaitingQueue:
@@ -188,4 +293,6 @@ def make_waiting_queue(config: SchedulerConfig, meter: FairnessMeter) -> Waiting
         return SJFQueue(config.sjf_aging_rate)
     if config.scheduling_policy == "fair":
         return FairQueue(meter, config.tenant_weights)
+    if config.scheduling_policy == "slo":
+        return SLOQueue(prefill_time_of(config), config.slo_demotion_s)
     return FCFSQueue()

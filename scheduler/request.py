@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler.sampling import SamplingParams
+from scheduler.slo import NO_SLO, SLO
 
 DEFAULT_TENANT = "default"  # the tenant of a request that names none (no OpenAI `user`)
 
@@ -76,6 +77,9 @@ class Request:
     tenant: str = DEFAULT_TENANT  # who is served (the OpenAI `user`), for fair share and prediction
     predicted_output_tokens: int | None = None  # set once when queued (scheduler/predictor.py)
     num_charged_tokens: int = 0  # positions already counted as service (scheduler/fairness.py)
+    # objectives: those given on arrival; add_request fills the rest from the server's classes
+    slo: SLO = NO_SLO
+    predicted_ttft: float | None = None  # seconds, forecast on arrival when there is a cost model
     metrics: RequestMetrics = field(init=False)
     num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)
 

@@ -11,7 +11,13 @@ Each `schedule()` call plans one step, in two phases:
 
 With a step-time budget (`SchedulerConfig.max_step_ms`), phase 1 schedules every decode
 before any prefill chunk, and `StepTimeBudget` sizes each chunk so that the step's predicted
-time stays within the target while requests decode (scheduler/step_time_budget.py).
+time stays within the target while requests decode (scheduler/step_time_budget.py). Under
+the slo policy a step's target is the tightest TPOT objective among the requests decoding
+in it (`step_target`), and `max_step_ms` where none of them has one.
+
+Every request's objectives are resolved on arrival (scheduler/slo.py); with a step-cost
+model its first token is forecast then too (scheduler/forecast.py), and `admission_check`
+says how long a request whose TTFT objective cannot be met would have to wait.
 
 Plans are published before the previous plan's output is applied (two in flight): a request
 that will sample counts a *placeholder* token until `update_from_output` delivers it.
@@ -26,11 +32,13 @@ from common.arith import cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.fairness import FairnessMeter
 from scheduler.finishing import request_output, stop_status
+from scheduler.forecast import admitted_within, first_token
 from scheduler.kv_manager import KVCacheManager
 from scheduler.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.predictor import make_predictor
-from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue
+from scheduler.queues import PriorityQueue, WaitingQueue, make_waiting_queue, prefill_time_of
 from scheduler.request import Request, RequestStatus
+from scheduler.slo import slack
 from scheduler.stats import SchedulerStats
 from scheduler.step import Preemption, StepBuilder
 from scheduler.step_cost import BatchShape
@@ -65,6 +73,10 @@ class Scheduler:
         cost, limit = config.step_cost, config.step_time_limit_s  # a limit > 0 implies a cost
         self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share)
                       if cost is not None and limit > 0 else None)
+        self._prefill_time = prefill_time_of(config)
+        self._plan_time = 0.0  # `now` of the plan being built (victims' slack)
+        # Forecast every arrival's first token where deadlines matter (O(waiting) each)
+        self._forecasts = config.scheduling_policy == "slo" or config.reject_unmeetable
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -84,9 +96,50 @@ class Scheduler:
                 f"the {self.config.num_gpu_blocks} the cache has"
             )
         request.status = RequestStatus.WAITING
-        request.predicted_output_tokens = self.predictor.predict(request)
+        self._prepare(request)
+        if request.predicted_ttft is None and self._forecasts:
+            request.predicted_ttft = first_token(self, request, request.arrival_time)
         self.requests[rid] = request
         self.waiting.push(request)
+
+    def _prepare(self, request: Request) -> None:
+        """What a request needs before it can be ranked: its objectives and predicted length."""
+        classes = self.config.slo_classes
+        request.slo = classes.resolve(request.slo, request.tenant, request.priority)
+        if request.predicted_output_tokens is None:
+            request.predicted_output_tokens = self.predictor.predict(request)
+
+    def admission_check(self, request: Request, now: float | None = None) -> float | None:
+        """With `reject_unmeetable`: seconds until `request`'s TTFT objective could be met,
+        when the forecast says it cannot be met now (None: it can, it has no TTFT objective,
+        or the check is off). Sets `request.predicted_ttft`; changes nothing else."""
+        if not self.config.reject_unmeetable:
+            return None
+        now = self._now(now)
+        self._prepare(request)
+        forecast = first_token(self, request, now)
+        request.predicted_ttft = forecast
+        ttft = request.slo.ttft_s
+        if forecast is None or ttft is None or forecast <= ttft:
+            return None
+        return forecast - ttft
+
+    def admission_wait(self, count: int, now: float | None = None) -> float | None:
+        """Predicted seconds until `count` waiting requests have left the queue (a full
+        queue's 429 `Retry-After`); None without a step-cost model."""
+        return admitted_within(self, count, self._now(now))
+
+    def step_target(self) -> float | None:
+        """The target the next step's time is held to (None: no time budget): under the slo
+        policy the tightest TPOT objective among the running requests that decode, else
+        (and where none has one) `max_step_ms`."""
+        if self._time is None:
+            return None
+        if self.config.scheduling_policy != "slo":
+            return self._time.target
+        tpots = [r.slo.tpot_s for r in self.running
+                 if r.slo.tpot_s is not None and r.num_output_tokens + r.num_placeholders > 0]
+        return min(tpots) if tpots else self._time.target
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         req = self.requests.get(request_id)
@@ -107,10 +160,10 @@ class Scheduler:
 
     # ---- planning -----------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        now = self._now(now)
+        now = self._plan_time = self._now(now)
         step = StepBuilder(next(self._step_ids), self.config.max_num_batched_tokens)
         if self._time is not None:
-            self._time.begin_step()
+            self._time.begin_step(self.step_target())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step, now)
@@ -183,7 +236,8 @@ class Scheduler:
                 step.add(req, n, new)
                 return True, shift
             victim = pick_victim(
-                self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by
+                self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by,
+                self._victim_slack,
             )
             if self.running.index(victim) < position - shift:
                 shift += 1
@@ -285,6 +339,9 @@ class Scheduler:
             self._time.count_decodes(decodes, decode_kv)
 
     # ---- preemption ---------------------------------------------------------------------
+    def _victim_slack(self, req: Request) -> float:
+        return slack(req, self._plan_time, self._prefill_time, preempting=True)
+
     def _urgency(self, req: Request, now: float) -> tuple[float, float]:
         return self.waiting.rank(req, now)
 

@@ -51,16 +51,19 @@ class StepTimeBudget:
         self.num_decode_over_target = 0  # steps whose decodes alone were predicted over it
         self._progressed = False  # a prefill chunk is in this step already
         self._limit: float | None = None  # this step's limit, once known
+        self._target = target  # this step's target
 
-    def begin_step(self) -> None:
+    def begin_step(self, target: float | None = None) -> None:
+        """A new step, held to `target` seconds (None: the configured target)."""
         self._progressed = False
         self._limit = None
+        self._target = self.target if target is None else target
 
     def limit(self, shape: BatchShape) -> float:
         """The step's limit, fixed at its first chunk or admission, when `shape` holds the
         step's decodes and nothing else (the scheduler schedules every decode first)."""
         if self._limit is None:
-            limit = self.target
+            limit = self._target
             if self.prefill_share and shape.num_decode_tokens:
                 decodes = shape.copy()
                 decodes.swap_blocks = 0
@@ -117,7 +120,7 @@ class StepTimeBudget:
             num_reqs=num_decodes, num_decode_tokens=num_decodes, num_sampled=num_decodes,
             attention_pairs=kv_tokens, kv_tokens_read=kv_tokens,
         )
-        if self.cost(decodes) > self.target:
+        if self.cost(decodes) > self._target:
             self.num_decode_over_target += 1
 
     def _fits(self, shape: BatchShape, context: int, m: int, end: int) -> bool:

@@ -33,19 +33,26 @@ VICTIM_KEYS: dict[str, VictimKey] = {
 # ever. Under these the oldest running request is never the victim unless it is alone, so
 # it always runs to its end (liveness). newest and priority need no guard: the oldest (or
 # the most urgent) already never gives way to the others.
-PROTECT_OLDEST = frozenset({"fewest_output", "least_remaining", "largest_kv"})
+PROTECT_OLDEST = frozenset({"fewest_output", "least_remaining", "largest_kv", "slack"})
 
 
 def pick_victim(
     running: list[Request],
     policy: VictimPolicy,
     blocks_freed: Callable[[Request], int] | None = None,
+    slack: Callable[[Request], float] | None = None,
 ) -> Request:
     """The running request (`running` in admission order) that gives way under `policy`.
-    `blocks_freed(r)`: device blocks preempting r would free (needed by "largest_kv")."""
+    `blocks_freed(r)`: device blocks preempting r would free (needed by "largest_kv");
+    `slack(r)`: seconds r has to spare, recompute included (needed by "slack": the most
+    slack gives way; requests with no objective left have infinite slack, the newest first)."""
+    candidates = running[1:] if policy in PROTECT_OLDEST and len(running) > 1 else running
+    if policy == "slack":
+        if slack is None:
+            raise ValueError("the slack victim policy needs each request's slack")
+        return max(candidates, key=lambda r: (slack(r), r.admit_seq))
     key = VICTIM_KEYS[policy]
     blocks = blocks_freed or (lambda r: 0)
-    candidates = running[1:] if policy in PROTECT_OLDEST and len(running) > 1 else running
     return max(candidates, key=lambda r: key(r, blocks))
 
 
