@@ -70,6 +70,10 @@ class SLO:
 NO_SLO = SLO()
 
 
+def _finite(seconds: float | None) -> float | None:
+    return None if seconds == math.inf else seconds
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
@@ -108,7 +112,7 @@ class SLOClasses:
         given = given if given.empty else SLO(given.ttft_s, given.tpot_s, REQUEST_CLASS)
         slo = given.over(slo)
         if slo.ttft_s == math.inf or slo.tpot_s == math.inf:
-            slo = SLO(*(None if v == math.inf else v for v in (slo.ttft_s, slo.tpot_s)), slo.cls)
+            slo = SLO(_finite(slo.ttft_s), _finite(slo.tpot_s), slo.cls)
         return slo
 
     @property
