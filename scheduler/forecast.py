@@ -15,6 +15,8 @@ The model, from what the scheduler holds now and its step-cost model::
                   (by predicted output length) decode until they make room, then prefill
     forecast    = max(prefill, seats + its own prefill) + half a step (the step in flight)
 
+(A last chunk shorter than the rest costs its own, shorter step.)
+
 It assumes nobody more urgent arrives meanwhile and no prefix-cache hits: a forecast of
 the queue as it stands.
 """
@@ -26,12 +28,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from common.arith import cdiv
-from scheduler.predictor import remaining_work
 from scheduler.request import Request
 from scheduler.step_cost import BatchShape, StepCostFn
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
+
+
+def _samples_left(req: Request) -> int:
+    """Steps until it finishes: the outputs it is predicted to sample still (at least one)."""
+    predicted = req.predicted_output_tokens or req.sampling_params.max_tokens
+    return max(predicted - req.num_output_tokens - req.num_placeholders, 1)
 
 
 def _prefill_left(req: Request) -> int:
@@ -40,62 +47,73 @@ def _prefill_left(req: Request) -> int:
     return n if n > 1 else 0
 
 
-def _step(sched: Scheduler, cost: StepCostFn) -> tuple[int, float]:
-    """(prefill tokens one step computes beside the running decodes, that step's time)."""
-    decodes = BatchShape()
-    for r in sched.running:
-        if not _prefill_left(r):
-            decodes.add(1, r.num_computed_tokens)
-    config = sched.config
-    budget = max(config.max_num_batched_tokens - decodes.num_decode_tokens, 1)
+class _Steps:
+    """Steps as they run now: the running decodes plus prefill chunks of up to `chunk`
+    tokens, the longest the step's time limit allows (the token budget when nothing
+    decodes or there is no limit)."""
 
-    def with_chunk(m: int) -> float:
-        shape = decodes.copy()
-        shape.add(m, 0, samples=False)
-        return cost(shape)
-
-    target = sched.step_target()
-    limit = math.inf
-    if target is not None and decodes.num_decode_tokens:
-        share = config.min_prefill_share
-        limit = max(target, cost(decodes) / (1.0 - share)) if share else target
-    if with_chunk(budget) <= limit:
-        return budget, with_chunk(budget)
-    lo, hi = min(config.block_size, budget), budget  # the step's one guaranteed chunk
-    while lo < hi:  # the longest chunk within the limit
-        mid = (lo + hi + 1) // 2
-        if with_chunk(mid) <= limit:
-            lo = mid
+    def __init__(self, sched: Scheduler, cost: StepCostFn) -> None:
+        self.cost = cost
+        self.decodes = BatchShape()
+        for r in sched.running:
+            if not _prefill_left(r):
+                self.decodes.add(1, r.num_computed_tokens)
+        config = sched.config
+        budget = max(config.max_num_batched_tokens - self.decodes.num_decode_tokens, 1)
+        target = sched.step_target()
+        limit = math.inf
+        if target is not None and self.decodes.num_decode_tokens:
+            share = config.min_prefill_share
+            limit = max(target, cost(self.decodes) / (1.0 - share)) if share else target
+        if self.time(budget) <= limit:
+            self.chunk = budget
         else:
-            hi = mid - 1
-    return lo, with_chunk(lo)
+            lo, hi = min(config.block_size, budget), budget  # the step's one guaranteed chunk
+            while lo < hi:  # the longest chunk within the limit
+                mid = (lo + hi + 1) // 2
+                if self.time(mid) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self.chunk = lo
+
+    def time(self, chunk: int) -> float:
+        """One step's predicted time with a prefill chunk of `chunk` tokens."""
+        shape = self.decodes.copy()
+        shape.add(chunk, 0, samples=False)
+        return self.cost(shape)
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds of steps until `tokens` of prefill are computed."""
+        full, rest = divmod(tokens, self.chunk)
+        return full * self.time(self.chunk) + (self.time(rest) if rest else 0.0)
 
 
 def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own_blocks: int,
                 cost: StepCostFn) -> float:
     """Seconds until the prefills of the running requests, `ahead`, and `own_tokens` more
     are done (see the module docstring)."""
-    chunk, step_s = _step(sched, cost)
+    steps = _Steps(sched, cost)
     work = sum(_prefill_left(r) for r in sched.running)
     work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead) + own_tokens
-    prefill = math.ceil(work / chunk) * step_s
+    in_flight = steps.time(min(work, steps.chunk)) / 2
+    prefill = steps.prefill(work)
     config = sched.config
     seats = len(sched.running) + len(sched.swapped) + len(ahead) + (1 if own_tokens else 0)
     seats -= config.max_num_seqs
     blocks = sum(cdiv(r.num_tokens, config.block_size) for r in ahead) + own_blocks
     blocks -= sched.num_free_blocks
     if seats <= 0 and blocks <= 0:
-        return prefill + step_s / 2
+        return prefill + in_flight
     wait = 0.0
-    finishing = sorted(sched.running, key=remaining_work)
-    for r in finishing:
+    decode_s = steps.time(steps.chunk)  # a step while the backlog lasts
+    for r in sorted(sched.running, key=_samples_left):  # the first to finish make room
         seats -= 1
         blocks -= len(sched.kv.block_ids(r.request_id))
-        wait = remaining_work(r) * step_s
+        wait = _samples_left(r) * decode_s
         if seats <= 0 and blocks <= 0:
             break
-    own = math.ceil(own_tokens / chunk) * step_s if own_tokens else step_s
-    return max(prefill, wait + own) + step_s / 2
+    return max(prefill, wait + steps.prefill(own_tokens)) + in_flight
 
 
 def first_token(sched: Scheduler, req: Request, now: float) -> float | None:

@@ -1,6 +1,6 @@
 """Property tests over random workloads: budgets, KV accounting, liveness — under every
-queue policy (fcfs, priority, sjf with either predictor, fair with tenant weights) and every
-victim policy.
+queue policy (fcfs, priority, sjf with either predictor, fair with tenant weights, slo with
+objectives some requests cannot meet) and every victim policy.
 
 After every step: the plan respects the token budget and max_num_seqs, blocks in use equal
 what live requests hold (ref counts match holders, nothing freed twice), and the mirror
@@ -10,6 +10,7 @@ the end every request has finished or was aborted, and every block is free.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,8 @@ from sched_driver import EOS, MirrorWorker, make_request
 from common.arith import cdiv
 from scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler.config import PREDICTORS, SCHEDULING_POLICIES, VICTIM_POLICIES
+from scheduler.slo import SLO, SLOClasses
+from scheduler.step_cost import BatchShape
 
 
 @dataclass
@@ -31,6 +34,8 @@ class Spec:
     shared: bool
     ignore_eos: bool
     tenant: str
+    ttft: float | None
+    tpot: float | None
 
 
 specs = st.builds(
@@ -43,7 +48,13 @@ specs = st.builds(
     shared=st.booleans(),
     ignore_eos=st.booleans(),
     tenant=st.sampled_from(["a", "b", "c"]),
+    ttft=st.sampled_from([None, 1.0, 4.0, 30.0]),  # "seconds" of the test's clock: one a step
+    tpot=st.sampled_from([None, 0.5, 2.0]),
 )
+
+
+def linear_cost(b: BatchShape) -> float:
+    return 0.5 + 0.05 * b.num_tokens
 
 
 @st.composite
@@ -75,6 +86,10 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Spec], bool]:
         output_len_predictor=draw(st.sampled_from(PREDICTORS)),
         sjf_aging_rate=draw(st.sampled_from([0.5, 10.0, 1000.0])),
         tenant_weights=draw(st.sampled_from([(), (("a", 3.0),), (("b", 0.5), ("c", 2.0))])),
+        step_cost=draw(st.sampled_from([None, linear_cost])),
+        max_step_ms=draw(st.sampled_from([0.0, 800.0, 3000.0])),
+        slo_demotion_s=draw(st.sampled_from([0.0, 3.0, 50.0])),
+        slo_classes=draw(st.sampled_from([SLOClasses(), SLOClasses(SLO(10.0, 1.0), (("user:c", SLO(None, math.inf)),))])),
     )
     return cfg, reqs, draw(st.booleans())
 
@@ -104,6 +119,7 @@ def test_random_workloads_keep_invariants_and_finish(scenario: tuple[SchedulerCo
             f"q{i}", 0, sp.max_tokens, arrival=float(sp.arrival), priority=sp.priority,
             prompt=prompt, ignore_eos=sp.ignore_eos, tenant=sp.tenant,
         )
+        reqs[f"q{i}"].slo = SLO(sp.ttft, sp.tpot)
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     last_arrival = max(sp.arrival for sp in specs_)
     t = 0

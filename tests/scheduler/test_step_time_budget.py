@@ -15,6 +15,7 @@ from sched_driver import EOS, MirrorWorker, drive, make_request
 
 from common.arith import cdiv
 from scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler.slo import SLO
 from scheduler.step import StepBuilder
 from scheduler.step_cost import BatchShape
 from scheduler.step_time_budget import StepTimeBudget
@@ -226,6 +227,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[tuple[int, int, in
         enable_prefix_caching=draw(st.booleans()), long_prefill_token_threshold=draw(st.sampled_from([0, 40])),
         max_step_ms=1e3 * draw(st.sampled_from([3.0, 12.0, 30.0, 80.0])), step_cost=cost,
         min_prefill_share=draw(st.sampled_from([0.0, 0.0, 0.3, 0.5])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "slo"])),
     )
     return cfg, reqs, draw(st.booleans())
 
@@ -253,11 +255,13 @@ def _plan_shape(plan: SchedulerOutput, w: MirrorWorker, prompt_len: dict[str, in
 @given(scenarios())
 def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerConfig, list[tuple[int, int, int]], bool]) -> None:
     cfg, specs, overlap = scenario
-    cost, target, share = cfg.step_cost, cfg.step_time_limit_s, cfg.min_prefill_share
+    cost, share = cfg.step_cost, cfg.min_prefill_share
     assert cost is not None
     s = Scheduler(cfg)
     w = MirrorWorker(cfg.block_size, cfg.num_gpu_blocks, next_token=lambda rid, pos: EOS if pos % 29 == 0 else 900 + pos)
     reqs = {f"q{i}": make_request(f"q{i}", p, m, arrival=float(a), ignore_eos=i % 2 == 0) for i, (p, m, a) in enumerate(specs)}
+    for i, r in enumerate(reqs.values()):  # under slo, steps are held to the tightest of these
+        r.slo = SLO(None, (None, 2.0, 20.0)[i % 3])
     prompt_len = {rid: r.num_prompt_tokens for rid, r in reqs.items()}
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     over_decodes = 0
@@ -268,6 +272,7 @@ def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerC
             if a == t:
                 s.add_request(reqs[rid])
         if t <= last or s.has_unfinished_requests():
+            target = s.step_target() or 0.0  # the configured one, or under slo the tightest TPOT
             plan = s.schedule(now=float(t))
             assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
             assert len(plan.num_scheduled_tokens) <= cfg.max_num_seqs

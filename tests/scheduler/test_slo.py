@@ -1,0 +1,232 @@
+"""Objectives per request and the slo policy, by worked examples whose numbers are computed
+by hand in the comments: where objectives come from, the least-slack order and the bounded
+demotion of lost deadlines, the step held to the tightest TPOT, the most-slack victim, and
+the first-token forecast behind the admission check."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from sched_driver import MirrorWorker, make_request
+
+from scheduler import Scheduler, SchedulerConfig
+from scheduler.queues import SLOQueue
+from scheduler.request import Request
+from scheduler.slo import (
+    NO_SLO,
+    SLO,
+    SLOClasses,
+    parse_slo,
+    parse_slo_classes,
+    slo_met,
+    ttft_and_tpot,
+)
+from scheduler.step_cost import BatchShape
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds: `step` per step plus `token` per computed token."""
+
+    step: float = 0.0
+    token: float = 0.01
+
+    def __call__(self, b: BatchShape) -> float:
+        return self.step + self.token * b.num_tokens
+
+
+def _req(rid: str, prompt: int, arrival: float, ttft: float | None = None, tpot: float | None = None,
+         max_tokens: int = 50) -> Request:
+    r = make_request(rid, prompt, max_tokens, arrival=arrival)
+    r.slo = SLO(ttft, tpot)
+    return r
+
+
+# ---- where objectives come from ------------------------------------------------------------
+
+def test_a_request_s_objectives_win_then_its_tenant_then_its_priority_then_the_default() -> None:
+    classes = SLOClasses(
+        parse_slo("ttft=2000,tpot=150"),
+        (*parse_slo_classes("user:batch=ttft=60000,tpot=none"), *parse_slo_classes("priority:1=tpot=50")),
+    )
+    assert classes.resolve(NO_SLO, "anyone", 0) == SLO(2.0, 0.15, "default")
+    assert classes.resolve(NO_SLO, "anyone", 1) == SLO(2.0, 0.05, "priority:1")
+    # the tenant's class clears the tpot objective ("none") over the priority's
+    assert classes.resolve(NO_SLO, "batch", 1) == SLO(60.0, None, "user:batch")
+    # the request's own ttft, the default's tpot
+    assert classes.resolve(SLO(0.5), "anyone", 0) == SLO(0.5, 0.15, "request")
+    assert SLOClasses().resolve(NO_SLO, "x", 0) == NO_SLO
+
+
+@pytest.mark.parametrize("spec", ["ttft=0", "ttft=-5", "tpot=nan", "ttft=inf", "ttft=1,ttft=2", "latency=3", "ttft"])
+def test_bad_objectives_are_refused_by_name(spec: str) -> None:
+    with pytest.raises(ValueError, match="slo"):
+        parse_slo(spec)
+
+
+def test_classes_must_be_user_or_priority() -> None:
+    for spec in ("tenant:x=ttft=5", "priority:high=ttft=5", "user:=ttft=5"):
+        with pytest.raises(ValueError, match="slo class"):
+            parse_slo_classes(spec)
+
+
+def test_met_is_judged_per_objective() -> None:
+    ttft, tpot = ttft_and_tpot(arrival=1.0, first_token=1.5, finished=2.5, num_output_tokens=11)
+    assert (ttft, tpot) == (0.5, pytest.approx(0.1))
+    assert slo_met(SLO(0.5, 0.1), ttft, tpot) == (True, True)
+    assert slo_met(SLO(0.4, 0.09), ttft, tpot) == (False, False)
+    assert slo_met(SLO(1.0), None, None) == (False, True)  # no first token: its TTFT was missed
+    assert slo_met(NO_SLO, None, None) == (True, True)
+
+
+# ---- the least-slack order ---------------------------------------------------------------
+
+def test_waiting_requests_go_by_least_slack_and_lost_deadlines_wait_at_most_the_demotion() -> None:
+    # prefill time 10 ms a token; demotion 10 s. Keys (the latest start):
+    #   A: arrives 0,   100 tokens, ttft 3 s   -> 0 + 3 - 1.0   = 2.0
+    #   B: arrives 0.5,  10 tokens, ttft 1 s   -> 0.5 + 1 - 0.1 = 1.4
+    #   C: arrives 0,   no objective           -> 0 + 10        = 10.0 (late on arrival)
+    #   D: arrives 0,    20 tokens, ttft 0.1 s -> 0.1 - 0.2 = -0.1: lost by t=1 -> 9.9
+    q = SLOQueue(lambda n: 0.01 * n, demotion_s=10.0)
+    a, b, c, d = (_req("A", 100, 0.0, 3.0), _req("B", 10, 0.5, 1.0), _req("C", 5, 0.0), _req("D", 20, 0.0, 0.1))
+    for r in (a, b, c, d):
+        q.push(r)
+    assert [q.key(r, 1.0) for r in (a, b, c, d)] == [pytest.approx(k) for k in (2.0, 1.4, 10.0, 9.9)]
+    assert q.peek(1.0) is b and q.num_demoted == 1  # D was found lost
+    assert [q.pop(1.0).request_id for _ in range(4)] == ["B", "A", "D", "C"]
+    # At t=10.5 D (9.9) and C (10.0) have yielded their 10 s: they rank ahead of a request
+    # arriving now with a tight but meetable deadline (key >= now).
+    for r in (c, d):
+        q.push(r)
+    e = _req("E", 10, 10.5, 0.5)  # key 10.5 + 0.5 - 0.1 = 10.9
+    q.push(e)
+    assert [q.pop(10.5).request_id for _ in range(3)] == ["D", "C", "E"]
+
+
+def test_the_scheduler_admits_the_least_slack_first() -> None:
+    cfg = SchedulerConfig(max_num_seqs=1, num_gpu_blocks=64, block_size=16, max_model_len=512,
+                          scheduling_policy="slo", step_cost=Cost(), max_step_ms=0.0)
+    s = Scheduler(cfg)
+    for r in (_req("loose", 10, 0.0, 60.0), _req("none", 10, 0.0), _req("tight", 10, 0.2, 0.5)):
+        s.add_request(r)
+    plan = s.schedule(now=0.3)
+    assert set(plan.num_scheduled_tokens) == {"tight"}
+
+
+# ---- the step's target: the tightest TPOT among the decodes ----------------------------
+
+def _decode_all(s: Scheduler, w: MirrorWorker, now: float = 0.0) -> None:
+    while any(r.num_output_tokens == 0 for r in s.requests.values()):
+        plan = s.schedule(now=now)
+        s.update_from_output(plan, w.execute(plan), now=now)
+
+
+def test_a_step_is_held_to_the_tightest_tpot_among_its_decodes() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", step_cost=Cost(step=0.01, token=0.001), max_step_ms=300.0,
+                          min_prefill_share=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("batch", 16, 0.0, max_tokens=500))
+    _decode_all(s, w)
+    assert s.step_target() == pytest.approx(0.3)  # no decode has a TPOT objective
+    s.add_request(_req("chat", 16, 0.0, tpot=0.05, max_tokens=500))
+    s.add_request(_req("chat2", 16, 0.0, tpot=0.2, max_tokens=500))
+    _decode_all(s, w)
+    assert s.step_target() == pytest.approx(0.05)
+    # A long prompt now gets chunks that keep the step within 50 ms: 10 ms + 1 ms a token
+    # over 3 decodes + the chunk -> chunk <= 37, cut to the block boundary: 32 tokens.
+    s.add_request(_req("long", 600, 0.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens["long"] == 32
+    assert cfg.step_cost is not None
+
+
+def test_under_fcfs_the_target_stays_the_configured_one() -> None:
+    cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=512, step_cost=Cost(), max_step_ms=300.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 64)
+    s.add_request(_req("chat", 16, 0.0, tpot=0.05))
+    _decode_all(s, w)
+    assert s.step_target() == pytest.approx(0.3)
+
+
+# ---- victims: the most slack gives way -------------------------------------------------
+
+def test_the_request_with_the_most_slack_is_preempted() -> None:
+    # 12 blocks of 4 tokens; three requests growing to 11 blocks each run out of them. Slack
+    # at t=1: chat (tpot 0.1) has its next token due at 1.0 + 0.1 * outputs; batch has no
+    # objective (infinite slack); the oldest is never a victim under slack.
+    cfg = SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=12, block_size=4, max_model_len=64,
+                          scheduling_policy="slo", step_cost=Cost(), max_step_ms=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(4, 12)
+    s.add_request(_req("old", 4, 0.0, tpot=0.1, max_tokens=40))
+    s.add_request(_req("batch", 4, 0.0, max_tokens=40))
+    s.add_request(_req("chat", 4, 0.0, tpot=0.1, max_tokens=40))
+    victims = []
+    while not victims:
+        plan = s.schedule(now=1.0)
+        victims += list(s.last_preemptions)
+        s.update_from_output(plan, w.execute(plan), now=1.0)
+    assert victims and victims[0].victim == "batch"
+
+
+# ---- the forecast and the admission check ----------------------------------------------
+
+def test_the_first_token_forecast_adds_the_work_ahead_in_steps() -> None:
+    # 10 ms a step + 1 ms a token, a 256-token budget, nothing running.
+    cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          step_cost=Cost(step=0.01, token=0.001), reject_unmeetable=True)
+    s = Scheduler(cfg)
+    alone = _req("alone", 100, 0.0, ttft=1.0)
+    # one step of 100 tokens (0.11 s) plus half of it for the step in flight
+    assert s.admission_check(alone, now=0.0) is None
+    assert alone.predicted_ttft == pytest.approx(0.11 * 1.5)
+    s.add_request(_req("ahead", 300, 0.0))
+    late = _req("late", 100, 0.0, ttft=0.2)
+    # 400 tokens: a full step of 256 (0.266 s) and one of 144 (0.154 s), plus 0.133 in flight
+    wait = s.admission_check(late, now=0.0)
+    assert late.predicted_ttft == pytest.approx(0.266 + 0.154 + 0.133)
+    assert wait == pytest.approx(0.553 - 0.2)
+    assert late.request_id not in s.requests  # the check changes nothing
+
+
+def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
+    # one seat; the running request has 20 predicted outputs to go at 11 ms a decode step
+    # (10 ms + 1 ms for its token... plus the chunk the backlog's steps carry).
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
+                          max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
+                          reject_unmeetable=True, max_step_ms=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("running", 16, 0.0, max_tokens=21))
+    _decode_all(s, w)
+    probe = _req("probe", 32, 0.0, ttft=0.1)
+    wait = s.admission_check(probe, now=0.0)
+    # running: 20 outputs left; a step with its decode + a 63-token chunk: 0.01 + 0.064 s
+    step = 0.01 + 0.064
+    own = 0.01 + 0.001 * (1 + 32)
+    in_flight = own / 2
+    assert probe.predicted_ttft == pytest.approx(20 * step + own + in_flight)
+    assert wait == pytest.approx(probe.predicted_ttft - 0.1)
+
+
+def test_without_reject_unmeetable_nothing_is_refused() -> None:
+    s = Scheduler(SchedulerConfig(step_cost=Cost(), num_gpu_blocks=64, block_size=16, max_model_len=512))
+    assert s.admission_check(_req("x", 400, 0.0, ttft=0.001), now=0.0) is None
+
+
+def test_reject_unmeetable_needs_a_cost_model() -> None:
+    with pytest.raises(ValueError, match="reject_unmeetable"):
+        SchedulerConfig(reject_unmeetable=True)
+
+
+def test_a_full_queue_predicts_when_it_has_room() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          step_cost=Cost(step=0.01, token=0.001))
+    s = Scheduler(cfg)
+    for i in range(3):
+        s.add_request(_req(f"w{i}", 200, float(i)))
+    # the first two leave after 400 tokens: 0.266 + 0.154 s, plus half a full step in flight
+    assert s.admission_wait(2, now=0.0) == pytest.approx(0.266 + 0.154 + 0.133)
+    assert Scheduler(SchedulerConfig()).admission_wait(1, now=0.0) is None
+    assert math.isfinite(s.admission_wait(3, now=0.0) or math.inf)
