@@ -79,6 +79,7 @@ class Request:
     num_charged_tokens: int = 0  # positions already counted as service (scheduler/fairness.py)
     # objectives: those given on arrival; add_request fills the rest from the server's classes
     slo: SLO = NO_SLO
+    slo_resolved: bool = False  # `slo` holds the resolved objectives (resolved once)
     predicted_ttft: float | None = None  # seconds, forecast on arrival when there is a cost model
     metrics: RequestMetrics = field(init=False)
     num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)

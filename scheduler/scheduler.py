@@ -104,8 +104,10 @@ class Scheduler:
 
     def _prepare(self, request: Request) -> None:
         """What a request needs before it can be ranked: its objectives and predicted length."""
-        classes = self.config.slo_classes
-        request.slo = classes.resolve(request.slo, request.tenant, request.priority)
+        if not request.slo_resolved:
+            classes = self.config.slo_classes
+            request.slo = classes.resolve(request.slo, request.tenant, request.priority)
+            request.slo_resolved = True
         if request.predicted_output_tokens is None:
             request.predicted_output_tokens = self.predictor.predict(request)
 
