@@ -1,7 +1,10 @@
 """`AsyncEngine`: the asyncio loop that drives the scheduler and the worker with overlap.
 
 Handlers call `submit()` (or `generate()`); the request only reaches the scheduler when
-the loop next runs, and so do aborts: the scheduler is touched by one task only.
+the loop next runs, and so do aborts: the scheduler is changed by one task only. Before
+submitting, handlers may ask `check_capacity()` (the waiting limit) and `check_objectives()`
+(`--reject-unmeetable`): those only read the scheduler, synchronously, on the loop's own
+thread, and refuse with the predicted wait (`EngineOverloadedError.retry_after`).
 
 One loop iteration::
 
@@ -22,11 +25,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import NoReturn, Protocol, runtime_checkable
 
+from scheduler.config import SchedulerConfig
 from scheduler.interface import SchedulerInterface
 from scheduler.output import ModelRunnerOutput
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
+from scheduler.slo import NO_SLO, SLO
 from scheduler.stats import SchedulerStats
 from service.engine.detokenizer import DEFAULT_DETOKENIZE, DetokenizeOptions, Tokenizer, TokenTexts
 from service.engine.grammars import ServiceGrammars
@@ -40,8 +46,10 @@ from service.engine.stream import (
     EngineOverloadedError,
     RequestRejectedError,
     RequestStream,
+    SLOUnmeetableError,
     StepFailedError,
     StreamDelta,
+    whole_seconds,
 )
 from service.engine.worker_link import InFlightStep, WorkerClientLike
 
@@ -49,6 +57,21 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 2
 _IDLE_POLL_S = 0.5  # how often an idle loop checks that the worker is still alive
+_PROBE_ID = "admission-check"  # the id of the stand-in request an admission check forecasts
+
+
+@runtime_checkable
+class AdmissionControl(Protocol):
+    """What admission control reads of a scheduler beside `SchedulerInterface`: its config
+    (objectives, `reject_unmeetable`) and its forecasts (`scheduler.scheduler.Scheduler`
+    has them; an engine over a scheduler without them refuses only by the waiting limit,
+    with `Retry-After: 1`)."""
+
+    config: SchedulerConfig
+
+    def admission_check(self, request: Request, now: float | None = None) -> float | None: ...
+
+    def admission_wait(self, count: int, now: float | None = None) -> float | None: ...
 
 
 class AsyncEngine:
@@ -93,6 +116,9 @@ class AsyncEngine:
         self._stats: SchedulerStats = scheduler.stats()
         self._last_output_time = clock()
         self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
+        self.admission = scheduler if isinstance(scheduler, AdmissionControl) else None
+        if metrics is not None and self.admission is not None:
+            metrics.declare_slo_classes(self.admission.config.slo_classes.names)
         if grammars is not None:
             self.step_records.grammar_waiting = lambda: grammars.num_waiting
         if step_time is not None:
@@ -114,15 +140,83 @@ class AsyncEngine:
         return self._stats
 
     def check_capacity(self, count: int) -> None:
-        """Raise `EngineOverloadedError` if `count` more requests would pass the waiting limit."""
+        """Raise `EngineOverloadedError` if `count` more requests would pass the waiting
+        limit; its `retry_after` is the predicted time until enough waiting requests have
+        left the queue for them to fit (1 s without a step-cost model to predict with).
+        Requests submitted but not yet taken by the loop count as waiting; the forecast sees
+        only the scheduler's queue, so it may fall short by their prefills."""
         if self.dead.is_set():
             raise EngineDeadError(self.error or "engine is not running")
         limit = self.max_waiting_requests
-        if limit is not None and self._stats.num_waiting + len(self._new) + count > limit:
-            raise EngineOverloadedError(
-                f"too many waiting requests ({self._stats.num_waiting + len(self._new)}, limit "
-                f"{limit}); retry later"
-            )
+        waiting = self._stats.num_waiting + len(self._new)
+        if limit is None or waiting + count <= limit:
+            return
+        wait = self.predicted_wait(waiting + count - limit)
+        wait = 1.0 if wait is None else wait
+        self._refuse(EngineOverloadedError(
+            f"too many waiting requests ({waiting}, limit {limit}); retry in "
+            f"{whole_seconds(wait)} s", wait,
+        ))
+
+    def predicted_wait(self, count: int) -> float | None:
+        """Predicted seconds until the `count` most urgent waiting requests have left the
+        queue (None: the scheduler has no step-cost model to forecast with)."""
+        if self.admission is None:
+            return None
+        return self.admission.admission_wait(count, self.clock())
+
+    def check_objectives(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        user: str | None = None,
+        slo: SLO = NO_SLO,
+    ) -> None:
+        """With `--reject-unmeetable`: raise `SLOUnmeetableError` when the forecast says this
+        request's first token would come later than its TTFT objective (its own, else its
+        class's) allows; `retry_after` is the predicted wait until it could be met. The
+        forecast is of a stand-in request queued now behind what the scheduler holds; it
+        reads the scheduler and changes nothing."""
+        control = self.admission
+        if control is None or not control.config.reject_unmeetable:
+            return
+        if self.dead.is_set():
+            raise EngineDeadError(self.error or "engine is not running")
+        now = self.clock()
+        probe = self._request(prompt_token_ids, sampling_params, _PROBE_ID, now, user, slo)
+        wait = control.admission_check(probe, now)
+        if wait is None:
+            return
+        ttft_ms = (probe.slo.ttft_s or 0.0) * 1e3
+        predicted_ms = (probe.predicted_ttft or 0.0) * 1e3
+        self._refuse(SLOUnmeetableError(
+            f"the time-to-first-token objective ({ttft_ms:g} ms, class {probe.slo.cls!r}) "
+            f"cannot be met: the first token is predicted in {predicted_ms:.0f} ms as the "
+            f"queue stands; retry in {whole_seconds(wait)} s", wait,
+        ))
+
+    def _refuse(self, error: EngineOverloadedError) -> NoReturn:
+        if self.metrics is not None:
+            self.metrics.observe_rejected(error.reason)
+        raise error
+
+    def _request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        arrival_time: float,
+        user: str | None,
+        slo: SLO,
+    ) -> Request:
+        req = Request(
+            request_id, list(prompt_token_ids), sampling_params, arrival_time,
+            eos_token_ids=self.eos_token_ids, slo=slo,
+        )
+        if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
+            req.tenant = user
+        return req
 
     def submit(
         self,
@@ -135,8 +229,11 @@ class AsyncEngine:
         arrival_time: float | None = None,
         user: str | None = None,
         detokenize: DetokenizeOptions = DEFAULT_DETOKENIZE,
+        slo: SLO = NO_SLO,
     ) -> RequestStream:
-        """Queue a request for the loop and return its stream (iterate it; `close()` aborts)."""
+        """Queue a request for the loop and return its stream (iterate it; `close()` aborts).
+        `slo`: the objectives the request gave (the server's classes fill in the rest when
+        the scheduler takes it)."""
         if self.dead.is_set():
             raise EngineDeadError(self.error or "engine is not running")
         if request_id in self.output:
@@ -145,12 +242,7 @@ class AsyncEngine:
         stream = RequestStream(
             request_id, len(prompt_token_ids), self.abort, self.output.max_buffered_tokens
         )
-        req = Request(
-            request_id, list(prompt_token_ids), sampling_params, now,
-            eos_token_ids=self.eos_token_ids,
-        )
-        if user:  # the OpenAI `user`: the tenant for fair share and output-length prediction
-            req.tenant = user
+        req = self._request(prompt_token_ids, sampling_params, request_id, now, user, slo)
         self.output.add_request(
             stream, tuple(stop), include_stop_str_in_output, now, detokenize=detokenize
         )
@@ -254,6 +346,8 @@ class AsyncEngine:
                 self.scheduler.add_request(req)
             except ValueError as exc:
                 self.output.reject(req.request_id, RequestRejectedError(str(exc)))
+            else:  # its objectives are resolved now: the output processor judges them at the end
+                self.output.accepted(req)
             changed = True
         while self._aborts:
             self.scheduler.abort(self._aborts.popleft())

@@ -4,11 +4,23 @@ Counters get ``_total`` appended by prometheus-client on exposition, so
 ``stepserve:prompt_tokens`` is scraped as ``stepserve:prompt_tokens_total`` (vLLM's name).
 Scheduler gauges and cumulative counters are refreshed from `SchedulerStats` once per
 step; token and request histograms by the engine's output processor, as outputs arrive.
+
+Objectives (scheduler/slo.py) are judged when a request ends (`observe_objectives`):
+``stepserve:slo_requests_total{class, objective, outcome}`` counts, per objective a request
+has (ttft, tpot) and for all of them together (both), whether it was met or missed;
+``stepserve:slo_tokens_total{class, outcome}`` counts the output tokens of requests that met
+all theirs (goodput in tokens) and of those that did not; a request without objectives is in
+neither. ``stepserve:ttft_forecast_error_seconds`` is the first-token forecast's error
+(measured - predicted) where there was one (signed buckets, so no _sum: the mean absolute
+error is ``stepserve:ttft_forecast_abs_error_seconds``), and
+``stepserve:request_rejected_total{reason}`` counts the 429s: queue_full (the waiting limit)
+and slo_unmeetable (`--reject-unmeetable`).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from scheduler.slo import SLO, slo_met, ttft_and_tpot
 from scheduler.stats import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -32,6 +45,12 @@ _REQUEST_BUCKETS = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
 )
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# measured - predicted first-token time: late (positive) and early (negative) alike
+_ERROR_STEPS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_FORECAST_ERROR_BUCKETS = (*(-e for e in reversed(_ERROR_STEPS)), 0.0, *_ERROR_STEPS)
+SLO_OBJECTIVES = ("ttft", "tpot", "both")
+SLO_OUTCOMES = ("met", "missed")
+REJECT_REASONS = ("queue_full", "slo_unmeetable")
 
 
 class ServiceMetrics:
@@ -154,6 +173,41 @@ class ServiceMetrics:
             "Worker time executing one plan (swaps, forward, sampling).",
             _LATENCY_BUCKETS,
         )
+        self._slo_requests = Counter(
+            "stepserve:slo_requests",
+            "Finished requests per objective they had (ttft, tpot; both: all of them), met or "
+            "missed, by objective class.",
+            labels + ["class", "objective", "outcome"],
+            registry=r,
+        )
+        self._slo_tokens = Counter(
+            "stepserve:slo_tokens",
+            "Output tokens of finished requests with objectives: of those that met all of them "
+            "(goodput) and of those that missed one, by objective class.",
+            labels + ["class", "outcome"],
+            registry=r,
+        )
+        # signed, so exported without a _sum (OpenMetrics): the absolute error has the mean
+        self.ttft_forecast_error = hist(
+            "ttft_forecast_error_seconds",
+            "Measured minus predicted time to first token, of requests forecast on arrival "
+            "(positive: later than forecast).",
+            _FORECAST_ERROR_BUCKETS,
+        )
+        self.ttft_forecast_abs_error = hist(
+            "ttft_forecast_abs_error_seconds",
+            "|measured - predicted| time to first token, of requests forecast on arrival.",
+            _LATENCY_BUCKETS,
+        )
+        self._request_rejected = Counter(
+            "stepserve:request_rejected",
+            "Requests refused with 429, by reason (queue_full, slo_unmeetable).",
+            labels + ["reason"],
+            registry=r,
+        )
+        self.request_rejected = {
+            reason: self._request_rejected.labels(model_name, reason) for reason in REJECT_REASONS
+        }
         # vLLM's cache_config_info idiom: constant labels that say how the worker runs
         self.worker = Info(
             "stepserve:worker", "How the worker runs the model (chosen at start-up).", labels,
@@ -267,6 +321,64 @@ class ServiceMetrics:
             self.request_queue_time.observe(queue_time)
         if ttft is not None and num_output > 1:
             self.time_per_output_token.observe((e2e - ttft) / (num_output - 1))
+
+    def declare_slo_classes(self, names: Iterable[str]) -> None:
+        """Export the objective counters of these classes at zero (so that a rate over them
+        exists before the first request of the class ends)."""
+        for cls in names:
+            for objective in SLO_OBJECTIVES:
+                for outcome in SLO_OUTCOMES:
+                    self._slo_requests.labels(self.model_name, cls, objective, outcome)
+            for outcome in SLO_OUTCOMES:
+                self._slo_tokens.labels(self.model_name, cls, outcome)
+
+    def observe_objectives(
+        self,
+        slo: SLO,
+        *,
+        arrival: float,
+        first_token: float | None,
+        finished: float,
+        num_output: int,
+        aborted: bool,
+        predicted_ttft: float | None = None,
+    ) -> None:
+        """A request with objectives `slo` ended: count each of its objectives met or missed,
+        and its output tokens as goodput or not; the forecast's error where it had one. An
+        aborted request did not get what it asked for: its objectives count as missed, but
+        a TTFT objective its first token had already met."""
+        ttft, tpot = ttft_and_tpot(arrival, first_token, finished, num_output)
+        if predicted_ttft is not None and ttft is not None:
+            self.ttft_forecast_error.observe(ttft - predicted_ttft)
+            self.ttft_forecast_abs_error.observe(abs(ttft - predicted_ttft))
+        if slo.empty:
+            return
+        ttft_ok, tpot_ok = slo_met(slo, ttft, tpot)
+        tpot_ok = tpot_ok and not aborted  # (slo_met: no first token, TTFT missed)
+        outcomes = []
+        if slo.ttft_s is not None:
+            outcomes.append(("ttft", ttft_ok))
+        if slo.tpot_s is not None:
+            outcomes.append(("tpot", tpot_ok))
+        met = all(ok for _, ok in outcomes) and not aborted
+        outcomes.append(("both", met))
+        for objective, ok in outcomes:
+            self._slo_requests.labels(
+                self.model_name, slo.cls, objective, "met" if ok else "missed"
+            ).inc()
+        if num_output:
+            self._slo_tokens.labels(self.model_name, slo.cls, "met" if met else "missed").inc(
+                num_output
+            )
+
+    def observe_rejected(self, reason: str) -> None:
+        """A request was refused with 429 for `reason`."""
+        child = self.request_rejected.get(reason)
+        if child is None:
+            child = self.request_rejected[reason] = self._request_rejected.labels(
+                self.model_name, reason
+            )
+        child.inc()
 
     def exposition(self) -> bytes:
         """The text format served at /metrics."""

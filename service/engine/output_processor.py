@@ -17,6 +17,13 @@ finishes them in the same loop iteration, so their KV blocks free within one ste
 match whatever the reader does. With two plans in flight the next plan already holds such
 a request; the token it samples there is dropped by the scheduler (the request is gone)
 and by this processor (its state is gone), so it is never streamed or counted in usage.
+
+When a request ends, its objectives (resolved by the scheduler, which the engine reports
+through `accepted`) are judged against the times measured here, at the engine's clock: the
+TTFT from arrival to the step that delivered the first token, the TPOT from there to the
+end over the tokens after the first (`scheduler.slo.ttft_and_tpot`). An aborted request
+meets none of them but a TTFT objective its first token had already met; a request aborted
+before the scheduler took it is not judged (it never had its objectives resolved).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scheduler.output import RequestOutput
+from scheduler.request import Request
 from service.engine.detokenizer import (
     DEFAULT_DETOKENIZE,
     DetokenizeOptions,
@@ -65,6 +73,7 @@ class _RequestState:
     first_token_time: float | None = None
     num_output: int = 0
     num_cached: int = 0
+    request: Request | None = None  # the scheduler's, once it took it: objectives, forecast
 
 
 class OutputProcessor:
@@ -111,6 +120,12 @@ class OutputProcessor:
             arrival_time,
             arrival_time,
         )
+
+    def accepted(self, request: Request) -> None:
+        """The scheduler took `request` (and resolved its objectives): judge them at its end."""
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            state.request = request
 
     def mark_scheduled(self, request_id: str, now: float) -> None:
         """The request reached a plan for the first time (queue time ends here)."""
@@ -247,4 +262,15 @@ class OutputProcessor:
             ttft=ttft,
             num_output=state.num_output,
         )
+        req = state.request
+        if req is not None:
+            self.metrics.observe_objectives(
+                req.slo,
+                arrival=state.arrival_time,
+                first_token=state.first_token_time,
+                finished=now,
+                num_output=state.num_output,
+                aborted=reason == "abort",
+                predicted_ttft=req.predicted_ttft,
+            )
 

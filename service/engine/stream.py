@@ -23,6 +23,7 @@ not wake the reader; they ride along with the next delta that has text or ends t
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,33 @@ class EngineDeadError(EngineError):
 
 
 class EngineOverloadedError(EngineError):
-    """Too many waiting requests; retry later."""
+    """Too many waiting requests; retry in `retry_after` seconds (predicted when the
+    scheduler has a step-cost model to forecast with). `reason` names the refusal in the
+    429's error code and in the metrics."""
+
+    reason = "queue_full"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def retry_after_s(self) -> int:
+        """`retry_after` as the `Retry-After` header states it."""
+        return whole_seconds(self.retry_after)
+
+
+class SLOUnmeetableError(EngineOverloadedError):
+    """The request's TTFT objective cannot be met as the queue stands (`--reject-unmeetable`);
+    `retry_after` is the predicted wait until it could be."""
+
+    reason = "slo_unmeetable"
+
+
+def whole_seconds(seconds: float) -> int:
+    """A wait as `Retry-After` states it: whole seconds, rounded up, at least 1 (1 for a
+    wait that is not a finite number)."""
+    return max(1, math.ceil(seconds)) if math.isfinite(seconds) else 1
 
 
 class RequestRejectedError(EngineError):

@@ -9,12 +9,17 @@ handlers only format and write them, SSE writes going through the app's stall wa
 A streamed chat choice announces its role in its first chunk that carries generated output,
 not before: a client that starts its time-to-first-token clock at the first chunk measures
 the real one.
+
+Before anything is submitted, the engine may refuse the request with a 429 whose
+`Retry-After` is its predicted wait: past the waiting limit (`--max-waiting-requests`), or,
+with `--reject-unmeetable`, when its TTFT objective cannot be met as the queue stands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -27,6 +32,7 @@ from aiohttp import web
 from common.grammar import GrammarError
 from common.tokenizer import apply_chat_template
 from scheduler.sampling import SamplingParams
+from scheduler.slo import NO_SLO, SLO
 from service.engine.detokenizer import decode
 from service.engine.stream import (
     EngineDeadError,
@@ -72,6 +78,7 @@ class _Prepared:
     bad_words: tuple[tuple[int, ...], ...] = ()
     echo: tuple[str, ...] | None = None  # per prompt, when the request echoes
     grammar: str | None = None  # structured outputs: compiled, ready for the worker
+    slo: SLO = NO_SLO  # the objectives the request sets (fields or headers)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -79,6 +86,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state, loaded = ready(request)
     req = CompletionRequest.model_validate(await read_json(request))
     req.check()
+    slo = req.objectives(request.headers)
     check_model(req.model, loaded)
     raw_prompts = req.prompts()
     _check_choice_count(len(raw_prompts), req.n)  # before tokenizing them all
@@ -89,7 +97,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokenizer = loaded.engine.tokenizer
         echo = tuple(await in_executor(state, _echo_texts, tokenizer, raw_prompts, full, prompts))
     grammar = await compiled_grammar(loaded, req)
-    prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo, grammar)
+    prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo, grammar, slo)
     meta = R.ResponseMeta(_response_id("cmpl", req), int(time.time()), loaded.model_name, False)
     return await _serve(request, state, loaded, req, prepared, meta)
 
@@ -99,6 +107,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, loaded = ready(request)
     req = ChatCompletionRequest.model_validate(await read_json(request))
     req.check()
+    slo = req.objectives(request.headers)
     check_model(req.model, loaded)
     if req.tool_mode == "auto" and state.config.tool_call_parser is None:
         raise bad_request(
@@ -109,7 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = req.truncated(await chat_prompt_ids(state, loaded, req), loaded.max_model_len)
     echo = (req.echo_text(),) if req.echo else None
     grammar = await compiled_grammar(loaded, req)
-    prepared = _Prepared([ids], await _bad_words(state, loaded, req), echo, grammar)
+    prepared = _Prepared([ids], await _bad_words(state, loaded, req), echo, grammar, slo)
     meta = R.ResponseMeta(
         _response_id("chatcmpl", req), int(time.time()), loaded.model_name, chat=True
     )
@@ -142,10 +151,20 @@ async def read_json(request: web.Request) -> Any:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+        data = _json_with_non_finite(body, exc)
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     return data
+
+
+def _json_with_non_finite(body: bytes, exc: orjson.JSONDecodeError) -> Any:
+    """A body orjson refused, read again allowing the non-finite numbers Python's `json`
+    writes (NaN, Infinity, 1e400), so that the field holding one gets a 400 naming it (the
+    request models allow none); a 400 for anything else that is not JSON."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
 
 
 def check_model(model: str | None, loaded: LoadedEngine) -> None:
@@ -362,7 +381,7 @@ async def _serve(
     choices = _choices(req, prepared, loaded, request.app[GENERATION_DEFAULTS])
     # a client's request_id names the response; the engine's ids stay unique
     engine_id = f"{meta.id}-{uuid.uuid4().hex[:8]}" if req.request_id else meta.id
-    streams = _submit(loaded, req, choices, engine_id)
+    streams = _submit(loaded, req, choices, engine_id, prepared.slo)
     shape = _shape(req, prepared, loaded)
     indices = [c.index for c in choices]
     try:
@@ -375,13 +394,21 @@ async def _serve(
 
 
 def _submit(
-    loaded: LoadedEngine, req: SamplingRequest, choices: list[_Choice], engine_id: str
+    loaded: LoadedEngine,
+    req: SamplingRequest,
+    choices: list[_Choice],
+    engine_id: str,
+    slo: SLO = NO_SLO,
 ) -> list[RequestStream]:
-    """One engine request per choice, ids ``{engine_id}-{index}``."""
+    """One engine request per choice, ids ``{engine_id}-{index}``, each with the request's
+    objectives; none when the engine refuses the request (a 429 with the predicted wait in
+    `Retry-After`)."""
     engine = loaded.engine
     options = req.detokenize_options()
     try:
         engine.check_capacity(len(choices))
+        for c in choices[:: req.n]:  # one per prompt: its n siblings are forecast alike
+            engine.check_objectives(c.prompt_ids, c.params, user=req.tenant, slo=slo)
         streams = []
         for c in choices:
             stream = engine.submit(
@@ -392,10 +419,13 @@ def _submit(
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 user=req.tenant,
                 detokenize=options,
+                slo=slo,
             )
             streams.append(stream)
     except EngineOverloadedError as exc:
-        raise APIError(429, str(exc), headers={"Retry-After": "1"}) from None
+        raise APIError(
+            429, str(exc), code=exc.reason, headers={"Retry-After": str(exc.retry_after_s)}
+        ) from None
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
     return streams

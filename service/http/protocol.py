@@ -15,12 +15,19 @@ leave unset). Keys neither defines are ignored, as OpenAI does, and logged at de
 
 A field a request leaves unset takes the server's `GenerationDefaults` (the model's
 generation_config.json, as vLLM's `--generation-config auto`), else `SamplingParams`' default.
+
+A request's objectives (scheduler/slo.py) come as stepserve's fields `slo_ttft_ms` and
+`slo_tpot_ms`, or from a gateway as the headers `x-slo-ttft-ms` and `x-slo-tpot-ms`; the
+field wins over the header for the same objective (`SamplingRequest.objectives`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -29,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.grammar import Constraint, GrammarFormat
 from scheduler.sampling import SamplingParams, SamplingParamsError
+from scheduler.slo import SLO
 from service.engine.detokenizer import DetokenizeOptions
 from service.http.errors import APIError, bad_request
 
@@ -82,6 +90,25 @@ class GenerationDefaults:
 NO_DEFAULTS = GenerationDefaults()
 # where `create_app` keeps the server's defaults for the routes
 GENERATION_DEFAULTS = web.AppKey("stepserve_generation_defaults", GenerationDefaults)
+
+
+# objective field -> the header a gateway may set it with instead (milliseconds)
+SLO_HEADERS = {"slo_ttft_ms": "x-slo-ttft-ms", "slo_tpot_ms": "x-slo-tpot-ms"}
+_DECIMAL = re.compile(r"\s*\+?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
+def header_ms(headers: Mapping[str, str], name: str) -> float | None:
+    """A header's positive, finite number of milliseconds (None: not sent); else a 400
+    naming the header."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    value = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise bad_request(
+            f"header {name} must be a positive number of milliseconds, got {raw!r:.40}", name
+        )
+    return value
 
 
 def not_supported(param: str, note: str = "") -> APIError:
@@ -239,6 +266,9 @@ class SamplingRequest(Body):
     stop_token_ids: list[int] | None = None  # in the vocabulary: checked by the route
     repetition_penalty: Annotated[float | None, Field(gt=0.0)] = None
     priority: int = 0
+    # objectives in milliseconds (scheduler/slo.py; headers x-slo-ttft-ms, x-slo-tpot-ms)
+    slo_ttft_ms: Annotated[float | None, Field(gt=0.0)] = None
+    slo_tpot_ms: Annotated[float | None, Field(gt=0.0)] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -414,6 +444,22 @@ class SamplingRequest(Body):
     def num_logprobs(self) -> int | None:
         """How many top logprobs to return per token (None: no logprobs)."""
         return None
+
+    def objectives(self, headers: Mapping[str, str]) -> SLO:
+        """The objectives the request sets: each field, else its header (`SLO_HEADERS`);
+        a value that is not a positive number of milliseconds is a 400 naming the field (or
+        the header)."""
+        seconds: dict[str, float | None] = {}
+        for field, header in SLO_HEADERS.items():
+            ms: float | None = getattr(self, field)
+            param = field
+            if ms is None:
+                ms, param = header_ms(headers, header), header
+            if ms is not None and not ms / 1e3 > 0:  # (pydantic: > 0, but it may underflow)
+                raise bad_request(f"{param} must be a positive number of milliseconds, got "
+                                  f"{ms!r}", param)
+            seconds[field] = None if ms is None else ms / 1e3
+        return SLO(seconds["slo_ttft_ms"], seconds["slo_tpot_ms"])
 
     def detokenize_options(self) -> DetokenizeOptions:
         return DetokenizeOptions(self.skip_special_tokens, self.spaces_between_special_tokens)

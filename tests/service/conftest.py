@@ -106,7 +106,17 @@ async def instant_client(
     tokenizer: Any, setup: InstantSetup = InstantSetup(), config: AppConfig = DEBUG_CONFIG
 ) -> AsyncIterator[tuple[TestClient, ServiceState]]:
     """A started app on aiohttp's test server, waited until its engine is ready."""
-    app = create_app(config, instant_factory(tokenizer, setup))
+    async with factory_client(instant_factory(tokenizer, setup), config) as pair:
+        yield pair
+
+
+@asynccontextmanager
+async def factory_client(
+    factory: EngineFactory, config: AppConfig = DEBUG_CONFIG
+) -> AsyncIterator[tuple[TestClient, ServiceState]]:
+    """A started app over the engine `factory` builds, on aiohttp's test server, waited
+    until its engine is ready."""
+    app = create_app(config, factory)
     client = TestClient(TestServer(app))
     await client.start_server()
     state = app[STATE]
@@ -136,6 +146,13 @@ def make_client(tokenizer: Any) -> Callable[..., ClientContext]:
         return instant_client(tokenizer, setup, config)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_factory_client() -> Callable[..., ClientContext]:
+    """`async with make_factory_client(factory, config=AppConfig(...)) as (client, state)`:
+    an app over any engine factory (an engine built in the test, over a fake worker)."""
+    return factory_client
 
 
 @pytest.fixture(scope="session")
