@@ -10,6 +10,15 @@ view (`service/engine/step_record_hub.py` streams them) and the simulator's time
     on_output(plan, outputs, now, ...)   step and execute time, tokens emitted, first
                                          tokens, finishes  -> the finished record
 
+Requests with objectives (`scheduler/slo.py`) are watched from their arrival (or a
+viewer's first plan) until they end: their `new` entry (and the `requests` table of
+`state()`) carries the objectives once; a record lists the deadlines lost since the last
+one (`lost`: a request that had no first token by arrival + ttft, or fell behind its TPOT
+schedule, first + tpot * outputs) and the slack of the requests in its step when it moved
+by an eighth of the objective (`slack`). A request's deadline is judged when it is in a step,
+and, between its steps (waiting for admission, preempted), by a heap of due times: the cost
+stays O(requests in the step), plus O(log n) per arrival and per preemption.
+
 Keys holding their empty value may be left out (`compact`); readers fill them back in.
 A record holds request ids, counts and block ids: never prompt or output text or token
 ids. With `short_ids` (the live stream) a request is named by a short key the recorder
@@ -24,18 +33,24 @@ than `map_interval` seconds (or 200x its own build time) after the last one.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any, Protocol
 
 from scheduler.output import RequestOutput, SchedulerOutput
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.slo import SLO, slack
 
 RECORD_VERSION = 1
 MAP_COST_RATIO = 200  # a block map costs at most 1/200 of the wall time between maps
 _MAX_PENDING = 8  # plans recorded but never answered (a simulator drops its last one)
 _SLACK_KEYS = 256  # keys of departed requests tolerated before a sweep
+SLACK_STEPS = 8  # a request's slack is listed again when it moved by 1/8 of its objective
+_TTFT, _TPOT = 1, 2  # the objectives a deadline is lost on (bits of `_Watch.lost`)
+_OBJECTIVE = {_TTFT: "ttft", _TPOT: "tpot"}
 _NEW_BLOCKS = attrgetter("new_block_ids")
 _REQ_ID = attrgetter("req_id")
 
@@ -65,6 +80,7 @@ def empty_record(step: int) -> Record:
         "running": 0, "waiting": 0, "swapped": 0, "waiting_for_grammar": 0,
         "kv": [0, 0, 0],
         "blocks": None,
+        "slack": [], "lost": [],
     }
 
 
@@ -112,6 +128,33 @@ def block_map_of(sched: Scheduler, name: Callable[[str], str] | None = None) -> 
     }
 
 
+def objectives(slo: SLO) -> dict[str, Any] | None:
+    """A request's objectives as records carry them, ``{"ttft_ms", "tpot_ms", "class"}``
+    without the objectives it has not (None: it has none)."""
+    if slo.empty:
+        return None
+    out: dict[str, Any] = {k: v for k, v in slo.as_ms().items() if v is not None}
+    out["class"] = slo.cls
+    return out
+
+
+class _Watch:
+    """What the recorder knows of a request with objectives (see the module docstring)."""
+
+    __slots__ = ("req", "tpot", "first", "outputs", "lost", "slack", "phase")
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.tpot = req.slo.tpot_s
+        # its first token's time once seen (one that came before the recorder watched is
+        # not judged), and its output tokens when last looked at
+        self.first = req.metrics.first_token_time
+        self.outputs = req.num_output_tokens
+        self.lost = 0  # _TTFT | _TPOT: deadlines already lost (each is listed once)
+        self.slack: float | None = None  # seconds, as last listed
+        self.phase = 0  # the objective of that slack: _TTFT or _TPOT
+
+
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -142,6 +185,11 @@ class StepRecorder:
         self._prompt: dict[str, int] = {}
         self._decoding: set[str] = set()
         self._next_key = 0  # never reset: a key names one request for the stream's whole life
+        # Deadlines: every live request seen arrive, those with objectives, and the due times
+        # of those not in a step ((due, id, _TTFT or _TPOT), judged when `now` passes them)
+        self._arrived: set[str] = set()
+        self._watch: dict[str, _Watch] = {}
+        self._due: list[tuple[float, str, int]] = []
         self._map_dirty = True
         self._next_map = 0.0
 
@@ -150,7 +198,8 @@ class StepRecorder:
         short ids, `requests` pairs every request the scheduler holds with its key."""
         rec: Record = {"running": 0, "waiting": 0, "swapped": 0, "kv": [0, 0, 0]}
         if self.short_ids:
-            rec["requests"] = [[self._learn(rid), rid] for rid in self.sched.requests]
+            rec["requests"] = [self._request_entry(rid, req)
+                               for rid, req in self.sched.requests.items()]
         rec["blocks"] = self._block_map()
         self._counts(rec)
         return rec
@@ -161,6 +210,9 @@ class StepRecorder:
         self._keys.clear()
         self._prompt.clear()
         self._decoding.clear()
+        self._arrived.clear()
+        self._watch.clear()
+        self._due.clear()
         self.force_map()
 
     def name(self, rid: str) -> str:
@@ -179,10 +231,19 @@ class StepRecorder:
             self._prompt[rid] = len(req.prompt_token_ids) if req is not None else 0
         return key
 
+    def _request_entry(self, rid: str, req: Request) -> list[Any]:
+        entry: list[Any] = [self._learn(rid), rid]
+        slo = objectives(req.slo)
+        if slo is not None:
+            entry.append(slo)
+        return entry
+
     def _forget(self, rid: str) -> None:
         self._keys.pop(rid, None)
         self._prompt.pop(rid, None)
         self._decoding.discard(rid)
+        self._arrived.discard(rid)
+        self._watch.pop(rid, None)
 
     def _block_map(self) -> dict[str, Any]:
         return block_map_of(self.sched, self.name if self.short_ids else None)
@@ -194,6 +255,7 @@ class StepRecorder:
     def on_plan(self, plan: SchedulerOutput, now: float) -> None:
         """Record a plan's composition, just after `schedule()` returned it."""
         rec = empty_record(plan.step_id)
+        self._arrivals()
         preemptions = self.sched.last_preemptions
         if preemptions:  # before the composition: a victim no longer decodes
             name = self.name
@@ -201,6 +263,8 @@ class StepRecorder:
                 [name(v), reason, mode, name(by)] for v, reason, mode, by in preemptions
             ]
             self._decoding.difference_update(p[0] for p in preemptions)
+            if self._watch:
+                self._out_of_steps(p[0] for p in preemptions)
         changed = self._composition(plan, rec)
         if plan.aborted_req_ids:
             rec["aborted"] = sorted(self.name(rid) for rid in plan.aborted_req_ids)
@@ -225,6 +289,10 @@ class StepRecorder:
             # and aborts named, before the next plan).
             live = self.sched.requests
             for rid in [r for r in self._keys if r not in live]:
+                self._forget(rid)
+        if len(self._arrived) > 2 * len(self.sched.requests) + _SLACK_KEYS:
+            live = self.sched.requests  # the same, for requests no record named
+            for rid in [r for r in self._arrived if r not in live]:
                 self._forget(rid)
 
     def on_output(self, plan: SchedulerOutput, outputs: Sequence[RequestOutput], now: float,
@@ -258,6 +326,8 @@ class StepRecorder:
                 if out.finished:
                     ended.append((out.req_id, out.finish_reason))
         finished = rec["finished"] = [[name(rid), reason] for rid, reason in ended]
+        if self._watch:  # before the ends are forgotten: a last token may be late
+            self._deadlines(plan, rec, now)
         for rid, _ in ended:
             self._forget(rid)
         rec["tokens"] = tokens
@@ -311,11 +381,141 @@ class StepRecorder:
                 decoding.add(rid)
             req = self.sched.requests.get(rid)
             arrival = round(req.arrival_time - self.epoch, 6) if req is not None else None
-            entry = [key, arrival, num_prompt, new.num_computed_tokens]
+            entry: list[Any] = [key, arrival, num_prompt, new.num_computed_tokens]
             if self.short_ids:
                 entry.append(rid)
+            if req is not None and not req.slo.empty:
+                entry.append(objectives(req.slo))
             rec["new"].append(entry)
         return changed
+
+    # -- deadlines ------------------------------------------------------------------------------
+
+    def _arrivals(self) -> None:
+        """Watch the requests that arrived since the last plan: the scheduler's table keeps
+        arrival order, so the newest come first from its end, up to one seen before."""
+        reqs, seen = self.sched.requests, self._arrived
+        fresh = []
+        for rid in reversed(reqs):
+            if rid in seen:
+                break
+            fresh.append(rid)
+        for rid in reversed(fresh):
+            seen.add(rid)
+            req = reqs[rid]
+            if not req.slo.empty:
+                self._watch[rid] = _Watch(req)
+                if req.metrics.first_token_time is None and req.slo.ttft_s is not None:
+                    heapq.heappush(self._due, (req.arrival_time + req.slo.ttft_s, rid, _TTFT))
+
+    def _out_of_steps(self, rids: Any) -> None:
+        """Requests that leave the steps for a while (preempted): their TPOT deadline is
+        judged when it falls due (a TTFT deadline is on the heap since their arrival)."""
+        for rid in rids:
+            w = self._watch.get(rid)
+            if w is None or w.lost & _TPOT:
+                continue
+            req = w.req
+            first, tpot = req.metrics.first_token_time, req.slo.tpot_s
+            if first is not None and tpot is not None:
+                heapq.heappush(self._due, (first + tpot * req.num_output_tokens, rid, _TPOT))
+
+    def _deadlines(self, plan: SchedulerOutput, rec: Record, now: float) -> None:
+        """Judge the watched requests of the plan, and the due times `now` passed: fill
+        `lost` and `slack`."""
+        watch, running, name = self._watch, RequestStatus.RUNNING, self.name
+        for rid in plan.num_scheduled_tokens:
+            w = watch.get(rid)
+            if w is None:
+                continue
+            req, first, tpot = w.req, w.first, w.tpot
+            if (first is None or tpot is None or req.status is not running
+                    or req.num_tokens - req.num_computed_tokens > 1):
+                self._judge(w, rid, now, rec)
+                continue
+            # The steady state, inline (`_judge` and `_slack` for a running request past its
+            # first token, with a TPOT objective and no prefill to do)
+            when = first + tpot * w.outputs
+            if now > when and not w.lost & _TPOT:
+                self._lose(w, rid, _TPOT, when, rec)
+            w.outputs = n = len(req.output_token_ids)
+            value = first + tpot * n - now
+            value = tpot if value > tpot else -tpot if value < -tpot else value
+            last = w.slack
+            if (last is None or w.phase != _TPOT or (value < 0) != (last < 0)
+                    or abs(value - last) >= tpot / SLACK_STEPS):
+                w.slack, w.phase = value, _TPOT
+                rec["slack"].append([name(rid), round(value * 1e3)])
+        due_heap = self._due
+        while due_heap and due_heap[0][0] < now:
+            when, rid, kind = heapq.heappop(due_heap)
+            w = watch.get(rid)
+            if w is None or w.lost & kind:
+                continue
+            req = w.req
+            first = req.metrics.first_token_time
+            if kind == _TTFT:
+                if first is not None:
+                    continue  # it came: judged with the step that brought it
+            else:
+                assert first is not None and req.slo.tpot_s is not None
+                when = first + req.slo.tpot_s * req.num_output_tokens
+                if when >= now:
+                    continue  # back on schedule (it ran again since it left)
+            self._lose(w, rid, kind, when, rec)
+
+    def _judge(self, w: _Watch, rid: str, now: float, rec: Record) -> None:
+        """A watched request in the step whose output came `now`: a deadline lost (its
+        first token after arrival + ttft; a token after first + tpot * the outputs it had
+        when last looked at, or none by then), and its slack when it moved."""
+        req = w.req
+        slo, first = req.slo, req.metrics.first_token_time
+        if w.first is None:
+            ttft = slo.ttft_s
+            if ttft is not None and not w.lost & _TTFT:
+                when = req.arrival_time + ttft
+                if (now if first is None else first) > when:
+                    self._lose(w, rid, _TTFT, when, rec)
+            if first is None:
+                self._slack(w, rid, now, _TTFT, ttft, rec)
+                return
+            w.first, w.outputs = first, req.num_output_tokens
+        tpot = slo.tpot_s
+        if tpot is None or first is None:
+            self._watch.pop(rid, None)  # no objective left to watch
+            return
+        if not w.lost & _TPOT:
+            when = first + tpot * w.outputs
+            if now > when:
+                self._lose(w, rid, _TPOT, when, rec)
+        w.outputs = req.num_output_tokens
+        if not req.is_finished:
+            self._slack(w, rid, now, _TPOT, tpot, rec)
+
+    def _slack(self, w: _Watch, rid: str, now: float, phase: int, objective: float | None,
+               rec: Record) -> None:
+        """List the request's slack (capped at +- its objective) when it moved by an eighth
+        of the objective, changed sign, or is measured against another objective now."""
+        if objective is None:
+            return
+        value = slack(w.req, now, self.sched._prefill_time)
+        value = min(max(value, -objective), objective)
+        last = w.slack
+        if (last is not None and w.phase == phase and (value < 0) == (last < 0)
+                and abs(value - last) < objective / SLACK_STEPS):
+            return
+        w.slack, w.phase = value, phase
+        rec["slack"].append([self.name(rid), round(value * 1e3)])
+
+    def _lose(self, w: _Watch, rid: str, kind: int, when: float, rec: Record) -> None:
+        """List a lost deadline: `[key, objective, due_t]`, and live the request's id too
+        when this names it first (it may still wait for admission)."""
+        w.lost |= kind
+        named = rid in self._keys
+        entry: list[Any] = [self._learn(rid), _OBJECTIVE[kind], round(when - self.epoch, 6)]
+        if self.short_ids and not named:
+            entry.append(rid)
+        rec["lost"].append(entry)
 
     @staticmethod
     def _resumed(plan: SchedulerOutput, key: str, first_block: int, rec: Record) -> None:

@@ -9,10 +9,10 @@ The engine calls two hooks, both plain synchronous functions (they cannot await)
 
 With no subscriber, both only note the time (no record is built). Each subscriber has a
 bounded buffer: when it is full the oldest record is folded into a *gap* (the dropped
-steps' tokens, admissions, first tokens, preemptions and finishes survive; their batch
-composition and block maps do not), so a slow viewer loses detail, never blocks anything
-and never grows memory past its bound. Records are encoded to JSON once, by whichever
-subscriber reads them first.
+steps' tokens, admissions, first tokens, preemptions, lost deadlines and finishes survive;
+their batch composition, slack and block maps do not), so a slow viewer loses detail,
+never blocks anything and never grows memory past its bound. Records are encoded to JSON
+once, by whichever subscriber reads them first.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def event(body: Record) -> bytes:
 BUFFER_RECORDS = 512  # per subscriber: ~1 s of steps at 64 streams on the instant worker
 MAP_INTERVAL_S = 0.25  # the live block map: at most 4 a second (a map costs ~100x a record)
 GAP_EVENT_CAP = 20_000  # lifecycle events one gap keeps before it only counts steps
-_GAP_LISTS = ("new", "first", "finished", "preempted", "aborted", "resumed", "swapped_in")
+_GAP_LISTS = ("new", "first", "finished", "preempted", "aborted", "resumed", "swapped_in",
+              "lost")
 
 
 class _Entry:

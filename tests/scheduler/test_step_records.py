@@ -11,9 +11,13 @@ from typing import Any
 import pytest
 from record_schema import check_step, full
 from sched_driver import MirrorWorker, make_request
+from slo_records import slo_run
 
 from scheduler import Scheduler, SchedulerConfig
-from scheduler.step_records import StepRecorder, compact, empty_record
+from scheduler.output import RequestOutput, SchedulerOutput
+from scheduler.request import Request
+from scheduler.slo import SLO, SLOClasses, slack
+from scheduler.step_records import SLACK_STEPS, StepRecorder, compact, empty_record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +75,7 @@ def test_worked_example_records_describe_every_plan() -> None:
     assert sum(r["tokens"] for r in records) == 32 + 8 + 16 + 64 + 8
     assert sorted(x for r in records for x in r["first"]) == ["R1", "R2", "R3", "R4", "R5"]
     assert sorted(tuple(x) for r in records for x in r["finished"]) == [(f"R{i}", "length") for i in range(1, 6)]
+    assert not any(r["slack"] or r["lost"] for r in records)  # no objectives: nothing to judge
 
 
 def test_block_map_is_taken_when_blocks_change_and_matches_the_pool() -> None:
@@ -218,3 +223,163 @@ def test_a_recompute_chunk_after_a_one_token_chunk_is_prefill() -> None:
         rec = recorder._pending.pop(p.step_id)
         kinds.append(("decode" if rec["decode"] else "") + ("prefill" if rec["prefill"] else ""))
     assert kinds == ["prefill", "decode", "decode", "prefill"]
+
+
+# ---- objectives, slack and lost deadlines -------------------------------------------------------
+
+def test_objectives_travel_once_and_lost_deadlines_are_marked_where_they_fell_due() -> None:
+    """slo_records' run: R1 falls behind its TPOT schedule in a step; R2 loses its TTFT
+    while it waits (listed before its `new` entry); R3 has no objectives; R4 meets them."""
+    sched, _, records = slo_run()
+    recs = [check_step(compact(r), sched.config.num_gpu_blocks) for r in records]
+    new = {n[0]: n for r in recs for n in r["new"]}
+    assert new["R1"] == ["R1", 0.0, 8, 0, {"ttft_ms": 2000.0, "tpot_ms": 800.0, "class": "request"}]
+    assert new["R2"][4:] == [{"ttft_ms": 2000.0, "class": "request"}]  # no TPOT objective
+    assert new["R3"] == ["R3", 0.0, 8, 0]  # none at all: nothing added
+    lost = [(r["step"], r["t"], entry) for r in recs for entry in r["lost"]]
+    assert lost == [(1, 1.5, ["R1", "tpot", 1.3]),  # its 2nd token, due 0.5 + 0.8, came at 1.5
+                    (2, 2.5, ["R2", "ttft", 2.0])]  # still waiting at 2.5, due at 0 + 2
+    admitted = next(r["step"] for r in recs if r["new"] and r["new"][0][0] == "R2")
+    assert admitted == 4 > 2
+    slacks = {(r["step"], rid): ms for r in recs for rid, ms in r["slack"]}
+    # R1: first + 0.8 * outputs - t, capped at 0.8 s; listed as it moved by >= 0.1 s
+    assert {k: v for k, v in slacks.items() if k[1] == "R1"} == {(0, "R1"): 800, (1, "R1"): 600, (2, "R1"): 400}
+    assert {k: v for k, v in slacks.items() if k[1] == "R4"} == {(9, "R4"): 5000}  # capped, steady: once
+    assert not any(rid in ("R2", "R3") for _, rid in slacks)
+    assert "slack" not in compact(records[-1]) and "lost" not in compact(records[-1])
+
+
+def test_a_preempted_request_loses_its_tpot_deadline_while_out_of_the_steps() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=6, block_size=4, max_model_len=24)
+    sched = Scheduler(cfg)
+    for rid in "AB":
+        req = make_request(rid, 8, 12)
+        req.slo = SLO(tpot_s=1.5)
+        sched.add_request(req)
+    records = _run(sched, MirrorWorker(4, 6), StepRecorder(sched))
+    (out,) = [r for r in records if r["preempted"]]
+    victim = out["preempted"][0][0]
+    (mark,) = [(r["step"], e) for r in records for e in r["lost"]]
+    step, (rid, objective, due) = mark
+    # 5 tokens by the preemption (first at 0.5): the 6th was due at 0.5 + 1.5 * 5, and the
+    # record whose output passed that time lists it, though the victim was in no step there
+    assert (rid, objective, due) == (victim, "tpot", 8.0) and step == 8
+    in_step = {k for k in records[step]["decode"]} | {p[0] for p in records[step]["prefill"]}
+    assert victim not in in_step
+
+
+@pytest.mark.parametrize(("policy", "mode"), [("fcfs", "recompute"), ("slo", "swap")])
+def test_lost_deadlines_and_slack_agree_with_a_reference_over_a_random_run(policy: str, mode: str) -> None:
+    """Every request's tokens are timed as they come; a reference judges the deadlines from
+    those times at every output (`t`): TTFT lost when `t` passed arrival + ttft before the
+    first token came; TPOT lost at the first output whose `t` passed first + tpot * the
+    tokens that came before it. The recorder, whose fast path and heap skip most of that
+    work, must list the same deadlines (each once), and every slack it lists must be the
+    scheduler's own slack at that output."""
+    rng = random.Random(11)
+    cfg = SchedulerConfig(max_num_batched_tokens=24, num_gpu_blocks=14, num_cpu_blocks=40, block_size=4,
+                          max_model_len=128, preemption_mode=mode, scheduling_policy=policy,  # type: ignore[arg-type]
+                          slo_classes=SLOClasses(default=SLO(6.0, 1.2)))
+    sched = Scheduler(cfg)
+    reqs: dict[str, Request] = {}
+    arrivals = sorted((rng.uniform(0, 20), f"r{i}") for i in range(14))
+
+    def arrive(now: float) -> None:
+        while arrivals and arrivals[0][0] <= now:
+            t, rid = arrivals.pop(0)
+            req = make_request(rid, rng.choice([3, 9, 30]), rng.randint(3, 20), arrival=t)
+            if rid in ("r3", "r7"):
+                req.slo = SLO(ttft_s=rng.choice([0.5, 30.0]))  # a TTFT only (and the tpot default)
+            if rid == "r5":
+                req.slo = SLO(tpot_s=0.6)
+            reqs[rid] = req
+            sched.add_request(req)
+
+    worker, recorder = MirrorWorker(4, 14), StepRecorder(sched)
+    tokens: dict[str, list[float]] = {}  # request -> the times its tokens came
+    ended: dict[str, float] = {}
+    want: list[tuple[str, str, float]] = []
+    got: list[tuple[str, str, float]] = []
+    judged: set[tuple[str, str]] = set()
+    listed = 0
+    now = 0.0
+    while arrivals or sched.has_unfinished_requests():
+        arrive(now)
+        if not sched.needs_plan():
+            now = arrivals[0][0]
+            continue
+        plan: SchedulerOutput = sched.schedule(now=now)
+        recorder.on_plan(plan, now)
+        now += rng.choice([0.3, 0.7, 1.1])
+        outs: list[RequestOutput] = sched.update_from_output(plan, worker.execute(plan), now=now)
+        for out in outs:
+            if out.new_token_ids:
+                tokens.setdefault(out.req_id, []).extend([now] * len(out.new_token_ids))
+            if out.finished:
+                ended[out.req_id] = now
+        rec = recorder.on_output(plan, outs, now, 0.5)
+        assert rec is not None
+        check_step(compact(rec), cfg.num_gpu_blocks)
+        got += [(rid, objective, due) for rid, objective, due, *_ in rec["lost"]]
+        for rid, req in reqs.items():  # the reference
+            slo, came = req.slo, tokens.get(rid, [])
+            before = [t for t in came if t < now]
+            if rid in ended and ended[rid] < now:
+                continue
+            if slo.ttft_s is not None and (rid, "ttft") not in judged:
+                due = req.arrival_time + slo.ttft_s
+                if (came[0] if came else now) > due:
+                    judged.add((rid, "ttft"))
+                    want.append((rid, "ttft", round(due, 6)))
+                elif came:
+                    judged.add((rid, "ttft"))
+            if slo.tpot_s is not None and before and (rid, "tpot") not in judged:
+                due = before[0] + slo.tpot_s * len(before)
+                if now > due:
+                    judged.add((rid, "tpot"))
+                    want.append((rid, "tpot", round(due, 6)))
+        for rid, ms in rec["slack"]:
+            req = reqs[rid]
+            objective = req.slo.ttft_s if req.metrics.first_token_time is None else req.slo.tpot_s
+            assert objective is not None
+            value = min(max(slack(req, now, sched._prefill_time), -objective), objective)
+            assert ms == round(value * 1e3), (rid, ms, value)
+            listed += 1
+        now += 0.05
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+    assert any(o == "ttft" for _, o, _ in got) and any(o == "tpot" for _, o, _ in got)
+    assert listed >= len(tokens)  # every request that ran was listed at least once
+    assert recorder._watch == {} and recorder._arrived == set()  # every request forgotten
+
+
+def test_slack_is_listed_when_it_moved_by_an_eighth_of_the_objective() -> None:
+    """A request keeping to its schedule within an eighth of its TPOT is listed once."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, num_gpu_blocks=40, block_size=4,
+                                      max_model_len=64))
+    req = make_request("A", 8, 30)
+    req.slo = SLO(tpot_s=1.0)
+    sched.add_request(req)
+    worker, recorder = MirrorWorker(4, 40), StepRecorder(sched)
+    listed = []
+    now = 0.0
+    for i in range(20):
+        plan = sched.schedule(now=now)
+        recorder.on_plan(plan, now)
+        # steps of 1 s, one in 4 takes 1.05 s: never ahead nor behind by an eighth
+        now += 1.05 if i % 4 == 3 else 1.0
+        outs = sched.update_from_output(plan, worker.execute(plan), now=now)
+        rec = recorder.on_output(plan, outs, now, 1.0)
+        assert rec is not None
+        listed += rec["slack"]
+        assert not rec["lost"] or rec["lost"][0][1] == "tpot"
+    assert listed[0] == ["A", 1000] and len(listed) <= 3
+    assert SLACK_STEPS == 8
+
+
+def test_a_viewer_joining_late_is_told_each_request_objectives() -> None:
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=40, block_size=4, max_model_len=64, max_num_seqs=1,
+                                      slo_classes=SLOClasses(classes=(("user:batch", SLO(30.0, None, "user:batch")),))))
+    sched.add_request(make_request("cmpl-a", 8, 4, tenant="batch"))
+    sched.add_request(make_request("cmpl-b", 8, 4))
+    rows = StepRecorder(sched, short_ids=True).state()["requests"]
+    assert rows == [["0", "cmpl-a", {"ttft_ms": 30000.0, "class": "user:batch"}], ["1", "cmpl-b"]]

@@ -218,3 +218,55 @@ def _save_for_docs(shot: Path) -> None:
     target = os.environ.get("STEPSERVE_DOCS_SCREENSHOT")
     if target:
         shutil.copyfile(shot, target)
+
+
+LOST_MARK_PIXELS_JS = """() => {
+  const d = window.stepserveDashboard, p = d.panels[0], c = p.lanes, ctx = c.getContext("2d");
+  const dpr = window.devicePixelRatio || 1, t1 = Math.max(d.player.clock, 1e-6), w = c.clientWidth;
+  const out = [];
+  p.laneList.forEach((lane, i) => {
+    for (const m of lane.lost) {
+      const x = (m.t / t1) * (w - 4), y = i * 11 + 2 + 1;  // views.js: LANE_H 11, the mark's middle
+      out.push([lane.id, m.objective, Array.from(ctx.getImageData(Math.round(x * dpr), Math.round(y * dpr), 1, 1).data)]);
+    }
+  });
+  return out;
+}"""
+
+
+def test_replay_marks_slack_and_lost_deadlines(page: Any, tmp_path: Path) -> None:
+    """A run whose requests have objectives (tests/support/slo_records.py): the page shows
+    the legend, counts both lost deadlines and draws each one's mark on its lane."""
+    from slo_records import slo_run
+
+    from loadgen.sim.timeline import timeline_run, write_timeline
+
+    _, hello, records = slo_run()
+    timeline = tmp_path / "slo.json"
+    write_timeline(timeline, [timeline_run("continuous", hello, records)])
+    pg, errors = page
+    port = free_port()
+    log = (tmp_path / "view.log").open("wb")
+    view = subprocess.Popen([sys.executable, "-m", "service.cli", "view", str(timeline), "--port", str(port)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(port, view)
+        pg.goto(f"http://127.0.0.1:{port}/")
+        pg.wait_for_function("() => document.querySelectorAll('.run').length === 1", timeout=30_000)
+        pg.click("#end")
+        pg.wait_for_selector("body[data-ended='true']", timeout=30_000)
+        pg.wait_for_timeout(200)  # the frame that draws the end
+        (panel,) = panels(pg)
+        assert panel["lost"] == "2" and panel["finished"] == "4"
+        assert pg.is_visible(".slo-legend") and "deadlines lost: TTFT 1, TPOT 1" in pg.inner_text(".run-stats")
+        marks = pg.evaluate(LOST_MARK_PIXELS_JS)
+        assert [(rid, objective) for rid, objective, _ in marks] == [("R1", "tpot"), ("R2", "ttft")]
+        for rid, _, (r, g, b, a) in marks:  # COLORS.lost, #7a0019
+            assert abs(r - 0x7a) < 40 and g < 40 and b < 60 and a > 200, (rid, r, g, b, a)
+        shot = tmp_path / "dashboard-slo.png"
+        pg.screenshot(path=str(shot), full_page=True)
+        assert_not_blank(shot)
+        assert errors == [] and pg.evaluate("window.stepserveDashboard.errors") == []
+    finally:
+        view.terminate()
+        view.wait(30)

@@ -16,6 +16,7 @@ from record_schema import check_step, full
 from sched_driver import MirrorWorker, make_request
 
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.slo import SLO
 from scheduler.step_records import empty_record
 from service.engine.step_record_hub import StepRecordHub
 from service.http.dashboard_routes import COOKIE, cookie_token
@@ -307,3 +308,31 @@ async def test_requests_waiting_for_a_grammar_show_in_the_records() -> None:
     first, second = _taken(sub)
     assert "waiting_for_grammar" not in first  # compacted away at 0
     assert check_step(second, 64)["waiting_for_grammar"] == 2
+
+
+async def test_lost_deadlines_survive_gaps_and_name_a_request_still_waiting() -> None:
+    """A request that loses its TTFT deadline while it waits is named first by its `lost`
+    entry (with its id, as a `new` entry would); a gap keeps lost deadlines, not slack."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=1))
+    worker = MirrorWorker(4, 64)
+    hub = StepRecordHub(sched, clock=lambda: 0.0, buffer_records=2)
+    sub = hub.subscribe()
+    runner = make_request("cmpl-runner", 6, 8)
+    runner.slo = SLO(tpot_s=0.5)
+    waiter = make_request("cmpl-waiter", 6, 2)
+    waiter.slo = SLO(ttft_s=2.0)
+    sched.add_request(runner)
+    sched.add_request(waiter)
+    for t in range(12):
+        plan = sched.schedule(float(t))
+        hub.on_plan(plan, float(t))
+        out = worker.execute(plan)
+        hub.on_output(plan, out, sched.update_from_output(plan, out, t + 0.9), t + 0.9)
+    gap, *steps = _taken(sub)
+    assert gap["type"] == "gap" and len(steps) == 2
+    assert "slack" not in gap
+    lost = {e[1]: e for e in gap["lost"]}
+    assert lost["ttft"] == ["1", "ttft", 2.0, "cmpl-waiter"]  # named first here, before admission
+    assert lost["tpot"][:3] == ["0", "tpot", 1.4]  # the runner's 2nd token (first at 0.9) came at 1.9
+    (admitted,) = [n for n in gap["new"] if n[0] == "1"]
+    assert admitted[4:] == ["cmpl-waiter", {"ttft_ms": 2000.0, "class": "request"}]  # its own

@@ -33,6 +33,7 @@ function addPanel(model) {
   const q = (cls) => el.querySelector(cls);
   const panel = { el, model, queues: q(".queues-canvas"), batch: q(".batch-canvas"), blocks: q(".blocks-canvas"),
                   lanes: q(".lanes-canvas"), scroll: q(".lanes-scroll"), stats: q(".run-stats"),
+                  sloLegend: q(".slo-legend"),
                   batchHits: [], grid: {}, laneList: [], follow: true };
   panel.scroll.addEventListener("scroll", () => {
     const s = panel.scroll;
@@ -86,8 +87,11 @@ function render() {
       `${m.preemptions} preemptions · running ${c.running}, waiting ${c.waiting}` +
       (c.grammar ? ` (+${c.grammar} for a grammar's compile)` : "") + `, swapped ${c.swapped} · ` +
       `KV used ${c.kv[0]}, cached ${c.kv[1]}, free ${c.kv[2]} of ${m.numBlocks} · ${m.tokens} tokens` +
+      (m.lost.ttft || m.lost.tpot ? ` · deadlines lost: TTFT ${m.lost.ttft}, TPOT ${m.lost.tpot}` : "") +
       (m.truncated ? " · viewer fell behind: some request events lost" : "");
-    Object.assign(p.el.dataset, { steps: m.steps, preemptions: m.preemptions, finished: m.finished });
+    p.sloLegend.hidden = !m.hasSLO;
+    Object.assign(p.el.dataset, { steps: m.steps, preemptions: m.preemptions, finished: m.finished,
+                                  lost: m.lost.ttft + m.lost.tpot });
   }
   const pl = dash.player;
   if (pl) {

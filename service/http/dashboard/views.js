@@ -1,9 +1,19 @@
 // Canvas drawings of one RunModel: queues over time, the current batch, the KV block map and
 // the request lanes. Each draw function sizes its canvas to its CSS box and redraws it whole.
 
+import { slackRatio } from "./model.js";
+
 export const COLORS = { running: "#2a9d4a", waiting: "#e08a1e", swapped: "#8a4fd0", kv: "#888",
   preempt: "#d62828", prefill: "#3b6fd8", decode: "#f08c2a", padding: "#bbb", free: "#eceef1",
-  cached: "#9fb3b8", preempted: "#f3b1b1", swappedLane: "#d9c6f2", wait: "#e4e4e4" };
+  cached: "#9fb3b8", preempted: "#f3b1b1", swappedLane: "#d9c6f2", wait: "#e4e4e4",
+  lost: "#7a0019", deadline: "rgba(122, 0, 25, 0.6)" };
+
+// Slack as a colour: green with all of its objective to spare, through amber, to red with
+// none; dark crimson once overdue (the ratio of model.js's slackRatio).
+export function slackColor(ratio) {
+  if (ratio < 0) return COLORS.lost;
+  return `hsl(${Math.round(120 * Math.min(ratio, 1))} 75% 42%)`;
+}
 
 export function hue(id) {
   let h = 2166136261;
@@ -52,8 +62,20 @@ export function drawQueues(canvas, model, [t0, t1]) {
   for (const key of ["waiting", "swapped", "running"]) line(ctx, pts, x, (p) => y(p[key]), COLORS[key]);
   ctx.fillStyle = COLORS.preempt;
   for (const m of model.preemptMarks) if (m.t >= t0) ctx.fillRect(x(m.t) - 1, bottom - 12, 3, 12);
-  legend(ctx, [["running", COLORS.running], ["waiting", COLORS.waiting], ["swapped", COLORS.swapped],
-               ["KV used", COLORS.kv], ["preemption", COLORS.preempt]], left + 8, top + 10);
+  ctx.fillStyle = COLORS.lost;
+  for (const m of model.lostMarks) if (m.t >= t0) lostMark(ctx, x(m.t), bottom - 20);
+  const items = [["running", COLORS.running], ["waiting", COLORS.waiting], ["swapped", COLORS.swapped],
+                 ["KV used", COLORS.kv], ["preemption", COLORS.preempt]];
+  if (model.lostMarks.length) items.push(["lost deadline", COLORS.lost]);
+  legend(ctx, items, left + 8, top + 10);
+}
+
+// A lost deadline: a small triangle pointing down at x, its tip at y + 6 (outlined in white
+// where it sits on a lane's colours).
+function lostMark(ctx, x, y, outline = false) {
+  ctx.beginPath(); ctx.moveTo(x - 4, y); ctx.lineTo(x + 4, y); ctx.lineTo(x, y + 6); ctx.closePath();
+  ctx.fill();
+  if (outline) { ctx.strokeStyle = "#fff"; ctx.stroke(); }
 }
 
 function line(ctx, pts, x, y, color, dash = []) {
@@ -169,8 +191,29 @@ export function drawLanes(canvas, model, [t0, t1]) {
       ctx.fillStyle = lane.reason === "abort" ? COLORS.preempt : "#333";
       ctx.fillRect(x(lane.finish), y - 1, 3, LANE_H);
     }
+    if (lane.slo || lane.lost.length) drawDeadlines(ctx, lane, x, y, t0, t1);
   });
   return lanes;
+}
+
+// Objectives on a lane: the TTFT deadline as a thin line, the slack as a strip along the
+// lane's foot (coloured by slackColor, each value until the next one, the finish or now),
+// and each lost deadline as a triangle where it fell due.
+function drawDeadlines(ctx, lane, x, y, t0, t1) {
+  const ttft = lane.slo && lane.slo.ttft_ms;
+  if (ttft) {
+    const due = lane.arrival + ttft / 1000;
+    if (due >= t0 && due <= t1) { ctx.fillStyle = COLORS.deadline; ctx.fillRect(x(due) - 0.5, y - 1, 1, LANE_H); }
+  }
+  const pts = lane.slackPts, end = lane.finish ?? t1;
+  for (let i = 0; i < pts.length; i++) {
+    const a = pts[i].t, b = i + 1 < pts.length ? pts[i + 1].t : end;
+    if (b < t0 || pts[i].ratio === null) continue;
+    ctx.fillStyle = slackColor(pts[i].ratio);
+    ctx.fillRect(x(a), y + LANE_H - 5, Math.max(1, x(b) - x(a)), 3);
+  }
+  ctx.fillStyle = COLORS.lost;
+  for (const m of lane.lost) if (m.t >= t0) lostMark(ctx, x(m.t), y - 1, true);
 }
 
 function laneColor(kind, id) {
@@ -184,6 +227,14 @@ export function laneText(model, lane) {
   const lines = [model.nameOf(lane.id), `arrived ${lane.arrival.toFixed(3)} s`];
   if (lane.prompt !== null) lines.push(`prompt ${lane.prompt} tokens${lane.cached ? ` (${lane.cached} cached)` : ""}`);
   lines.push(`TTFT ${ttft}`, `preemptions ${lane.preemptions}`);
+  if (lane.slo) {
+    const o = lane.slo, parts = [];
+    if (o.ttft_ms) parts.push(`TTFT ≤ ${o.ttft_ms} ms`);
+    if (o.tpot_ms) parts.push(`TPOT ≤ ${o.tpot_ms} ms`);
+    lines.push(`objectives: ${parts.join(", ")} (${o.class})`);
+    if (lane.slack !== null) lines.push(`slack ${lane.slack} ms (${lane.slackPhase}) at ${lane.slackPts[lane.slackPts.length - 1].t.toFixed(3)} s`);
+  }
+  for (const m of lane.lost) lines.push(`${m.objective.toUpperCase()} deadline lost at ${m.t.toFixed(3)} s`);
   lines.push(lane.finish !== null ? `finished: ${lane.reason} at ${lane.finish.toFixed(3)} s` : `now ${lane.state}`);
   return lines.join("\n");
 }
