@@ -11,7 +11,7 @@ server per arm. Prints JSON: per arm and class the bench summary (TTFT / ITL / T
 percentiles, throughput, goodput against the class's objectives), and slo / fcfs ratios.
 
     python -m bench.slo                       # ~6 min on 2 cores
-    python -m bench.slo --interactive-rate 3 --duration 90
+    python -m bench.slo --interactive-rate 3 --duration 90 --batch-prompts 32
 """
 
 from __future__ import annotations
@@ -87,16 +87,16 @@ def one_arm(url: str, args: argparse.Namespace, tmp: Path, arm: str) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=90.0, help="interactive arrivals, seconds")
-    ap.add_argument("--interactive-rate", type=float, default=2.0, help="requests/s")
+    ap.add_argument("--duration", type=float, default=45.0, help="interactive arrivals, seconds")
+    ap.add_argument("--interactive-rate", type=float, default=1.5, help="requests/s")
     ap.add_argument("--interactive-prompt-len", type=int, default=48)
     ap.add_argument("--interactive-output-len", type=int, default=48)
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-ms", type=float, default=100.0)
-    ap.add_argument("--batch-prompt-len", type=int, default=768)
-    ap.add_argument("--batch-output-len", type=int, default=192)
-    ap.add_argument("--batch-concurrency", type=int, default=12)
-    ap.add_argument("--batch-prompts", type=int, default=48)
+    ap.add_argument("--batch-prompt-len", type=int, default=512)
+    ap.add_argument("--batch-output-len", type=int, default=128)
+    ap.add_argument("--batch-concurrency", type=int, default=8)
+    ap.add_argument("--batch-prompts", type=int, default=16)
     ap.add_argument("--batch-ttft-ms", type=float, default=60000.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--policies", default="fcfs,slo")
