@@ -47,6 +47,10 @@ class WorkloadRequest:
     # The max_tokens the client declares; None: exactly output_len (ignore_eos). When
     # larger, the request stops by EOS after output_len tokens (the simulator emits it).
     max_tokens: int | None = None
+    # The request's own objectives (ms; the API's `slo_ttft_ms` / `slo_tpot_ms`): time to
+    # the first token and per output token after it. None: the server's class decides.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 def _stream(seed: int, which: int) -> np.random.Generator:
@@ -150,9 +154,10 @@ def from_jsonl(
     """Prompts from a JSONL file, one object per line, in file order (repeated to reach `n`).
 
     Each line has ``"prompt"`` (text) or ``"prompt_token_ids"``, and optionally
-    ``"output_len"`` (or ``"max_tokens"``, default 128) and ``"priority"``. A given
-    `output_len` distribution overrides the file's lengths; a line's priority overrides
-    the `priority_mix`.
+    ``"output_len"`` (or ``"max_tokens"``, default 128), ``"priority"``, ``"user"`` (the
+    tenant) and the request's objectives ``"slo_ttft_ms"`` / ``"slo_tpot_ms"`` (positive
+    milliseconds; absent or null: none of its own). A given `output_len` distribution
+    overrides the file's lengths; a line's priority overrides the `priority_mix`.
     """
     lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
     rows = _cycle([json.loads(ln) for ln in lines], n)
@@ -169,9 +174,28 @@ def from_jsonl(
     else:
         olens = [int(r.get("output_len", r.get("max_tokens", 128))) for r in rows]
     requests = _assemble(prompts, olens, rate, burstiness, seed, priority_mix)
-    for req, row in zip(requests, rows, strict=True):
+    for i, (req, row) in enumerate(zip(requests, rows, strict=True)):
         req.priority = int(row.get("priority", req.priority))
+        if row.get("user") is not None:
+            req.user = str(row["user"])
+        req.slo_ttft_ms = _objective_ms(row, "slo_ttft_ms", path, i)
+        req.slo_tpot_ms = _objective_ms(row, "slo_tpot_ms", path, i)
     return requests
+
+
+def _objective_ms(row: dict[str, Any], key: str, path: str | Path, line: int) -> float | None:
+    """A line's objective in ms (None when absent or null); a positive finite number."""
+    value = row.get(key)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = math.nan
+    if isinstance(value, bool) or not (math.isfinite(ms) and ms > 0):
+        raise ValueError(f"{path}: entry {line + 1}: {key} must be a positive number of "
+                         f"milliseconds, got {value!r}")
+    return ms
 
 
 def from_sharegpt(

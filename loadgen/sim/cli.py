@@ -12,6 +12,7 @@ stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from loadgen.sim.setup import (
     run_config,
     run_strategy,
 )
+from loadgen.sim.slo_metrics import format_slo
 from loadgen.sim.sweep import PRESETS, companion_rows, format_rows, sweep
 from loadgen.sim.timeline import timeline_run, write_timeline
 
@@ -72,6 +74,10 @@ def _write_result(path: str, args: argparse.Namespace, results: list[SimResult],
     data = {"config": run_config(args), "summaries": summaries,
             "unfinished": {r.strategy: r.unfinished for r in results},
             "records": {r.strategy: [_record(x) for x in r.records] for r in results}}
+    refusals = {r.strategy: [dataclasses.asdict(x) for x in r.refusals]
+                for r in results if r.refusals}
+    if refusals:
+        data["refusals"] = refusals
     Path(path).write_text(_dump(data))
 
 
@@ -115,6 +121,8 @@ def cmd_run(argv: list[str], compare: bool = False) -> int:
         s = summaries[strategies[0]]
         print(f"preemptions: {s['num_preemptions']}, unfinished: {s['unfinished']}, "
               f"mean KV usage: {s['mean_kv_cache_usage']:.1%}, steps: {s['num_steps']}")
+        if "slo" in s:
+            print(format_slo(s["slo"]))
     else:
         print(format_compare(summaries))
     return 0 if all(not r.unfinished for r in results) else 1

@@ -13,6 +13,7 @@ from typing import Any
 from loadgen.report import RequestRecord, summarize
 from loadgen.workloads import WorkloadRequest
 from scheduler.request import Request
+from scheduler.slo import NO_SLO, SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +41,48 @@ class RequestStat:
     output_len: int  # tokens it generated
     predicted_output: int | None
     num_preemptions: int
+    # Objectives (as the scheduler resolved them) and what was forecast and happened. The
+    # arrival above is the admitted attempt's; `sent_time` is the client's first send
+    # (earlier when refusals made it retry, `retries` times).
+    slo: SLO = NO_SLO
+    predicted_ttft: float | None = None  # seconds from the admitted attempt's arrival
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    sent_time: float | None = None  # None: the arrival above
+    retries: int = 0
 
     @classmethod
-    def of(cls, req: Request) -> RequestStat:
+    def of(cls, req: Request, sent_time: float | None = None, retries: int = 0) -> RequestStat:
         m = req.metrics
         return cls(req.request_id, req.tenant, req.arrival_time, m.first_scheduled_time,
                    req.num_prompt_tokens, req.num_output_tokens, req.predicted_output_tokens,
-                   m.num_preemptions)
+                   m.num_preemptions, req.slo, req.predicted_ttft, m.first_token_time,
+                   m.finished_time, sent_time, retries)
+
+    @property
+    def sent(self) -> float:
+        """When the client first sent it."""
+        return self.arrival_time if self.sent_time is None else self.sent_time
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """One refusal by the admission check (`--reject-unmeetable`): the server's 429 with
+    Retry-After. `actual_wait`, when measured (`Simulator(retry_after_every=...)`), is the
+    shortest wait after which the same request, sent again, would have met its TTFT
+    objective, found by re-simulating from the moment of the refusal
+    (docs/simulator.md, "Refusals and Retry-After"); math.inf: not within the horizon."""
+
+    request_id: str
+    tenant: str
+    slo: SLO
+    attempt: int  # 0: the first send; k: the k-th retry
+    time: float  # when it was refused (that attempt's arrival)
+    retry_after: float  # the predicted wait, seconds (the scheduler's)
+    retry_after_header: int  # as the server's Retry-After header states it (whole seconds)
+    predicted_ttft: float | None  # the forecast behind it, seconds from `time`
+    retried: bool  # False: the client gave up (its retries were spent)
+    actual_wait: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +113,14 @@ class TokenClock:
     def finished(self, request_id: str, now: float) -> None:
         self.finish[request_id] = now
 
-    def record(self, request_id: str, unfinished_state: str | None = None) -> RequestRecord:
-        """The client's view of one request; an unfinished one is a failure with its state."""
+    def record(
+        self, request_id: str, unfinished_state: str | None = None, error: str | None = None
+    ) -> RequestRecord:
+        """The client's view of one request; an unfinished one is a failure with its state,
+        a refused one (`error`) a failure with that message."""
         w = self.requests[request_id]
         times = self.times.get(request_id, array("d"))
-        done = request_id in self.finish and unfinished_state is None
+        done = request_id in self.finish and unfinished_state is None and error is None
         rec = RequestRecord(
             request_id=request_id,
             success=done,
@@ -94,7 +133,7 @@ class TokenClock:
             user=w.user,
         )
         if not done:
-            rec.error = f"unfinished: {unfinished_state or 'UNKNOWN'}"
+            rec.error = error or f"unfinished: {unfinished_state or 'UNKNOWN'}"
             return rec
         if times:
             rec.ttft = times[0] - w.arrival_time
@@ -122,6 +161,10 @@ class SimResult:
     num_busy_steps: int = 0  # steps that took time (what a live engine's step histogram counts)
     num_recompute_tokens: int = 0  # computed tokens dropped by recompute preemptions
     request_stats: list[RequestStat] = field(default_factory=list)  # continuous batching only
+    # --reject-unmeetable: every refusal, and the requests whose client gave up after its
+    # retries (request id -> the objectives it was refused under)
+    refusals: list[Refusal] = field(default_factory=list)
+    gave_up: dict[str, RequestStat] = field(default_factory=dict)
     tenant_service: list[ServicePoint] = field(default_factory=list)  # with record_service
     # with record_steps: the run's step records (`scheduler.step_records`) and their hello
     step_hello: dict[str, Any] | None = None
@@ -144,6 +187,11 @@ class SimResult:
             num_busy_steps=self.num_busy_steps,
             mean_step_ms=self.busy_time / self.num_busy_steps * 1e3 if self.num_busy_steps else 0.0,
         )
+        if self.request_stats or self.gave_up:
+            from loadgen.sim.slo_metrics import has_objectives, slo_summary
+
+            if has_objectives(self):
+                out["slo"] = slo_summary(self)
         return out
 
 

@@ -21,7 +21,7 @@ from loadgen.sim.cost_model import (
     get_model_shape,
 )
 from loadgen.sim.result import SimResult
-from loadgen.sim.simulator import SimLimits, Simulator
+from loadgen.sim.simulator import DEFAULT_MAX_RETRIES, SimLimits, Simulator
 from loadgen.sim.step_cost import seeded_model
 from loadgen.sim.strategies import FixedBatchConfig, simulate_padding, simulate_static
 from loadgen.workloads import WorkloadRequest, add_workload_args, workload_from_args
@@ -31,6 +31,13 @@ from scheduler.flags import NON_NEGATIVE_INT, POSITIVE_INT, add_scheduler_args
 from scheduler.step_cost_fit import OnlineStepCost
 
 STRATEGIES = ("continuous", "static", "padding")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +79,17 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                    help="static: seconds the oldest request waits for a full batch")
     g.add_argument("--max-steps", type=int, default=None)
     g.add_argument("--max-time", type=float, default=None, help="virtual seconds")
+    c = parser.add_argument_group("clients refused by --reject-unmeetable")
+    c.add_argument("--max-retries", type=NON_NEGATIVE_INT, default=DEFAULT_MAX_RETRIES,
+                   help="a refused client sends again after the Retry-After at most this many "
+                        "times, then gives up (default %(default)s)")
+    c.add_argument("--exact-retry-after", action="store_true",
+                   help="the client waits the scheduler's predicted seconds, not the header's "
+                        "whole seconds (rounded up, at least 1)")
+    c.add_argument("--retry-after-every", type=_seconds, default=None, metavar="SECONDS",
+                   help="check the Retry-After of a refusal at most every SECONDS of the run by "
+                        "re-simulating from it (0: every refusal; each costs a dozen short "
+                        "simulations; default: none)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the summary as JSON, not tables")
     o.add_argument("--result-json", default=None, help="write config, summary and records here")
@@ -142,8 +160,15 @@ def run_strategy(args: argparse.Namespace, strategy: str, workload: list[Workloa
         # The scheduler reads the step model only for the time budget and "auto" preemption:
         # without either, spare the refits.
         used = config.step_time_limit_s > 0 or config.preemption_mode == "auto"
+        # The scheduler reads the step model for the time budget, "auto" preemption and the
+        # forecasts (slo policy, admission checks).
+        used = used or config.scheduling_policy == "slo" or config.reject_unmeetable
         return Simulator(config, cm, limits, record_timeline=timeline, record_steps=record_steps,
-                         step_model=model if used else None).run(workload)
+                         step_model=model if used else None,
+                         max_retries=getattr(args, "max_retries", DEFAULT_MAX_RETRIES),
+                         retry_after_every=getattr(args, "retry_after_every", None),
+                         whole_second_retry=not getattr(args, "exact_retry_after", False),
+                         ).run(workload)
     run = simulate_static if strategy == "static" else simulate_padding
     return run(
         workload, cm, fixed_batch_config(args), record_timeline=timeline, record_steps=record_steps
@@ -159,9 +184,13 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "long_prefill_token_threshold", "preemption_mode", "scheduling_policy", "victim_policy",
         "aging_period", "priority_preemption_threshold", "output_len_predictor", "sjf_aging_rate",
         "tenant_weights", "enable_prefix_caching", "batch_size", "batch_timeout",
+        "slo_demotion_s", "reject_unmeetable", "max_retries", "retry_after_every",
     )
     cfg = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     cfg.update(prompt_len=str(args.prompt_len), output_len=str(args.output_len))
+    if hasattr(args, "default_slo"):
+        cfg["default_slo"] = args.default_slo.as_ms()
+        cfg["slo_class"] = {name: slo.as_ms() for given in args.slo_class for name, slo in given}
     return cfg
 
 

@@ -18,19 +18,35 @@ knows them). Outputs are exact lengths: `SamplingParams(max_tokens=output_len, i
 or, for a request that declares a larger `max_tokens`, the simulated worker samples EOS as
 its output_len-th token. A workload request's `user` is its tenant.
 
+Objectives: a workload request's `slo_ttft_ms` / `slo_tpot_ms` become its `Request.slo`
+(the scheduler fills what it leaves open from its classes). With `reject_unmeetable` each
+arrival first goes through `Scheduler.admission_check`, as the server's HTTP layer does: a
+refused request's client sends it again after the Retry-After, as the server's header
+states it (whole seconds, rounded up, at least 1: `service/engine/stream.py`), at most
+`max_retries` times, then gives up. Refusals spread over the run (at most one every
+`retry_after_every` virtual seconds) are re-simulated from the moment of the refusal to
+find the wait that would actually have sufficed (`Refusal.actual_wait`; docs/simulator.md,
+"Refusals and Retry-After").
+
 Every request ends finished or is reported unfinished with its state: a run stops early
-on `max_steps`, `max_time` (virtual seconds) or a stall (no token for a long while).
+on `max_steps`, `max_time` (virtual seconds) or a stall (no token for a long while). A
+request whose client gave up after refusals is a failed record, not an unfinished one.
 """
 
 from __future__ import annotations
 
+import copy
+import heapq
+import math
 import zlib
-from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from loadgen.sim.cost_model import BatchShape, CostModel
 from loadgen.sim.result import (
     KVUsage,
+    Refusal,
     RequestStat,
     ServicePoint,
     SimResult,
@@ -40,9 +56,11 @@ from loadgen.sim.result import (
 from loadgen.workloads import WorkloadRequest
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.queues import WaitingQueue
 from scheduler.request import Request
 from scheduler.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.slo import SLO
 from scheduler.step_cost_fit import OnlineStepCost
 from scheduler.step_records import Record, StepRecorder, scheduler_hello
 
@@ -59,8 +77,22 @@ class SimLimits:
     stall_steps: int | None = None  # steps without a sampled token; None: 2 * max_model_len + 1000
 
 
-def scheduler_request(w: WorkloadRequest) -> Request:
-    """The scheduler's view of a workload request. Token ids are synthesised if absent, with
+DEFAULT_MAX_RETRIES = 3  # a refused client's retries before it gives up
+PROBE = -1  # the attempt number of a re-simulation's probe: never refused
+# Re-simulating a refusal: resolution of the wait found (seconds, share of it) and how far
+# past the predicted wait to look before calling it unmeetable.
+PROBE_TOLERANCE_S = 0.02
+PROBE_TOLERANCE = 0.05
+PROBE_HORIZON_S = 120.0
+
+
+def _ms_to_s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def scheduler_request(w: WorkloadRequest, arrival: float | None = None) -> Request:
+    """The scheduler's view of a workload request (arriving at `arrival`, default its own
+    arrival time: a retry arrives later). Token ids are synthesised if absent, with
     a first token of the request's own, so that no two synthetic prompts share a prefix (the
     prefix cache finds only what a workload shares on purpose, as `shared-prefix` does)."""
     ids = w.prompt_token_ids
@@ -74,10 +106,65 @@ def scheduler_request(w: WorkloadRequest) -> Request:
         priority=w.priority,
     )
     req = Request(request_id=w.request_id, prompt_token_ids=list(ids), sampling_params=params,
-                  arrival_time=w.arrival_time, eos_token_ids=(SIM_EOS_ID,))
+                  arrival_time=w.arrival_time if arrival is None else arrival,
+                  eos_token_ids=(SIM_EOS_ID,))
     if w.user:
         req.tenant = w.user
+    if w.slo_ttft_ms is not None or w.slo_tpot_ms is not None:
+        req.slo = SLO(_ms_to_s(w.slo_ttft_ms), _ms_to_s(w.slo_tpot_ms))
     return req
+
+
+class _Arrivals:
+    """Sends still to come, in time order: the workload's, and refused clients' retries.
+    Each is (time, tie-break, request, attempt): attempt 0 is the first send."""
+
+    def __init__(self, workload: list[WorkloadRequest]) -> None:
+        ordered = sorted(workload, key=lambda w: w.arrival_time)
+        self._heap = [(w.arrival_time, i, w, 0) for i, w in enumerate(ordered)]
+        self._seq = len(ordered)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[WorkloadRequest]:
+        return (w for _, _, w, _ in self._heap)
+
+    def next_time(self) -> float:
+        return self._heap[0][0]
+
+    def push(self, when: float, w: WorkloadRequest, attempt: int) -> None:
+        heapq.heappush(self._heap, (when, self._seq, w, attempt))
+        self._seq += 1
+
+    def pop_due(self, now: float) -> tuple[float, WorkloadRequest, int] | None:
+        """The next send at or before `now`, if any."""
+        if not self._heap or self._heap[0][0] > now:
+            return None
+        when, _, w, attempt = heapq.heappop(self._heap)
+        return when, w, attempt
+
+    def copy(self) -> _Arrivals:
+        out = copy.copy(self)
+        out._heap = list(self._heap)
+        return out
+
+
+# Waiting queues that key their requests by id() (scheduler/queues.py, scheduler/fairness.py):
+# a copied queue must see its copies' ids.
+_ID_KEYED = ("_live", "_removed", "_order")
+
+
+def _remap_ids(queue: WaitingQueue, memo: dict[int, Any]) -> None:
+    new_id = {old: id(new) for old, new in memo.items() if isinstance(new, Request)}
+    for name in _ID_KEYED:
+        table = getattr(queue, name, None)
+        if isinstance(table, dict):
+            setattr(queue, name, {new_id[k]: v for k, v in table.items() if k in new_id})
+        elif isinstance(table, set):
+            setattr(queue, name, {new_id[k] for k in table if k in new_id})
+    if sum(1 for _ in queue) != len(queue):
+        raise RuntimeError(f"a copied {type(queue).__name__} lost track of its requests")
 
 
 class Simulator:
@@ -94,12 +181,27 @@ class Simulator:
         record_service: bool = False,
         record_steps: bool = False,
         step_model: OnlineStepCost | None = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_after_every: float | None = None,
+        whole_second_retry: bool = True,
     ) -> None:
         """`overlap`: plan step N+1 when step N starts, before N's output is applied, as the
         engine does (two plans in flight); a request arriving during step N then first runs
         in step N+2. Off: each plan is made after the previous output (one in flight).
         `step_model`: the online step-cost model the config's scheduler calls; each step's
-        simulated time refits it, as the engine refits it from measured times."""
+        simulated time refits it, as the engine refits it from measured times.
+        With `config.reject_unmeetable`: a refused client retries after the Retry-After (as
+        the header states it with `whole_second_retry`, else the scheduler's exact seconds) at
+        most `max_retries` times; a refusal at least `retry_after_every` virtual seconds after
+        the last one measured has its actual wait measured by re-simulation (None: none; 0:
+        every one; each costs a dozen short simulations)."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if retry_after_every is not None and not retry_after_every >= 0:
+            raise ValueError(f"retry_after_every must be >= 0 s, got {retry_after_every}")
+        self.max_retries = max_retries
+        self.retry_after_every = retry_after_every
+        self.whole_second_retry = whole_second_retry
         self.overlap = overlap
         self.config = config
         self.cost_model = cost_model
@@ -120,7 +222,7 @@ class _Run:
     def __init__(self, sim: Simulator, workload: list[WorkloadRequest]) -> None:
         self.sim = sim
         self.sched = Scheduler(sim.config)
-        self.pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+        self.pending = _Arrivals(workload)
         self.tokens = TokenClock(workload)
         self.known = {w.request_id: w.prompt_len for w in workload}  # tokens the worker knows
         # the known-token count at which a request samples EOS (absent: never)
@@ -129,6 +231,13 @@ class _Run:
         self.tenant_service: list[ServicePoint] = []
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
+        self.refusals: list[Refusal] = []
+        self.retries: dict[str, int] = {}  # request id -> refusals before it was admitted
+        self.gave_up: dict[str, RequestStat] = {}
+        self.measure_every = sim.retry_after_every  # None: measure no refusal
+        self.last_measured = -math.inf
+        self.probe: str | None = None  # a re-simulation: the probe's id
+        self.probe_first_token: float | None = None
         self.queued: SchedulerOutput | None = None  # with overlap: the plan that runs next
         self.now, self.steps, self.idle_steps = 0.0, 0, 0
         self.kv = KVUsage()
@@ -139,15 +248,111 @@ class _Run:
         self.stall_limit = lim.stall_steps or 2 * sim.config.max_model_len + 1000
 
     def admit_arrivals(self) -> None:
-        while self.pending and self.pending[0].arrival_time <= self.now:
-            w = self.pending.popleft()
-            req = scheduler_request(w)
+        while (due := self.pending.pop_due(self.now)) is not None:
+            when, w, attempt = due
+            req = scheduler_request(w, when)
+            if self.sim.config.reject_unmeetable and attempt != PROBE:
+                # As the server's HTTP layer does on arrival, with the scheduler as it stands
+                wait = self.sched.admission_check(req, when)
+                if wait is not None:
+                    self.refuse(w, req, attempt, when, wait)
+                    continue
+                # Admit the request as the client sent it (the check resolved its
+                # objectives in place), with the forecast the check made.
+                checked, req = req, scheduler_request(w, when)
+                req.predicted_ttft = checked.predicted_ttft
             try:
                 self.sched.add_request(req)
             except ValueError as exc:
                 self.rejected[w.request_id] = f"REJECTED ({exc})"
                 continue
             self.requests[w.request_id] = req
+            if attempt > 0:
+                self.retries[w.request_id] = attempt
+
+    def refuse(self, w: WorkloadRequest, req: Request, attempt: int, when: float,
+               wait: float) -> None:
+        """The admission check refused `req` (the 429): its client retries after `wait`
+        seconds, or gives up when its retries are spent."""
+        retried = attempt < self.sim.max_retries
+        actual = None
+        every = self.measure_every
+        if every is not None and when >= self.last_measured + every:
+            assert req.slo.ttft_s is not None  # only a TTFT objective is refused
+            self.last_measured = when
+            actual = self.actual_wait(w, when, wait, req.slo.ttft_s)
+        header = retry_after_header(wait)
+        self.refusals.append(Refusal(w.request_id, req.tenant, req.slo, attempt, when, wait,
+                                     header, req.predicted_ttft, retried, actual))
+        if retried:
+            self.pending.push(when + (header if self.sim.whole_second_retry else wait), w,
+                              attempt + 1)
+        else:
+            self.gave_up[w.request_id] = RequestStat.of(req, w.arrival_time, attempt)
+
+    # ---- re-simulating a refusal --------------------------------------------------------
+    def actual_wait(self, w: WorkloadRequest, when: float, predicted: float,
+                    ttft: float) -> float:
+        """The shortest wait d after which `w`, sent again at `when + d` and admitted
+        without a check, gets its first token within `ttft` of being sent, with everyone
+        else behaving as in this run (refused, retrying); by bisection on d, taking the
+        outcome to be monotone in d. 0: it would have met it had it been admitted;
+        math.inf: not by `PROBE_HORIZON_S` (or 8x the predicted wait, if more)."""
+        probe = _WaitProbe(self, w, when, ttft)
+        if probe.met(0.0):
+            return 0.0
+        horizon = max(PROBE_HORIZON_S, 8 * predicted)
+        lo, hi = 0.0, max(predicted, PROBE_TOLERANCE_S)
+        while not probe.met(hi):
+            lo, hi = hi, 2 * hi
+            if lo > horizon:
+                return math.inf
+        while hi - lo > max(PROBE_TOLERANCE_S, PROBE_TOLERANCE * hi):
+            mid = (lo + hi) / 2
+            if probe.met(mid):
+                hi = mid
+            else:
+                lo = mid
+        return (lo + hi) / 2
+
+    def advance(self, until: float) -> None:
+        """Run on until the clock reaches `until`: the next iteration would admit what was
+        sent by then (and nothing has been admitted that was sent later)."""
+        while self.now < until and self.stop_reason() is None:
+            self.admit_arrivals()
+            if not self.sched.has_unfinished_requests():
+                self.queued = None
+                nxt = self.pending.next_time() if self.pending else until
+                self.now = max(self.now, min(nxt, until))
+                continue
+            self.step()
+
+    def fork(self) -> _Run:
+        """A copy of this run's scheduling state that can run on without touching it:
+        no records, timelines or measurements of its own."""
+        memo: dict[int, Any] = {
+            id(r.prompt_token_ids): r.prompt_token_ids for r in self.sched.requests.values()
+        }
+        sim = copy.copy(self.sim)
+        sim.record_timeline = sim.record_service = sim.record_steps = False
+        sim.check_integrity = False
+        sched, queued, sim.step_model = copy.deepcopy(
+            (self.sched, self.queued, self.sim.step_model), memo
+        )
+        _remap_ids(sched.waiting, memo)
+        out = copy.copy(self)
+        out.sim, out.sched, out.queued = sim, sched, queued
+        out.pending = self.pending.copy()
+        out.tokens = TokenClock([])
+        out.known, out.eos_at = dict(self.known), self.eos_at
+        out.requests, out.rejected, out.retries = {}, {}, {}
+        out.refusals, out.gave_up = [], {}
+        out.measure_every = None
+        out.kv = KVUsage()
+        out.timeline, out.tenant_service, out.step_records = [], [], []
+        out.recorder = None
+        out.probe, out.probe_first_token = None, None
+        return out
 
     def batch_of(self, plan: SchedulerOutput) -> tuple[BatchShape, dict[str, int]]:
         """The plan's cost-model shape and the tokens the simulated worker samples."""
@@ -208,13 +413,15 @@ class _Run:
             self.step_records.append(rec)
         for out in outs:
             if out.new_token_ids:
+                if out.req_id == self.probe and self.probe_first_token is None:
+                    self.probe_first_token = self.now
                 self.known[out.req_id] += len(out.new_token_ids)
                 self.tokens.tokens(out.req_id, len(out.new_token_ids), self.now)
             if out.finished:
                 self.tokens.finished(out.req_id, self.now)
         self.idle_steps = 0 if sampled else self.idle_steps + 1
         if not seconds and self.pending and (self.queued is None or self.queued.is_empty):
-            self.now = max(self.now, self.pending[0].arrival_time)  # stuck until someone arrives
+            self.now = max(self.now, self.pending.next_time())  # stuck until someone arrives
         if self.sim.check_integrity:
             self.sched.check_integrity()
 
@@ -237,7 +444,7 @@ class _Run:
             if not self.sched.has_unfinished_requests():
                 self.queued = None  # whatever it held was for requests that are done
                 if self.pending:
-                    self.now = max(self.now, self.pending[0].arrival_time)
+                    self.now = max(self.now, self.pending.next_time())
                 continue
             self.step()
         return self.result(reason)
@@ -248,7 +455,10 @@ class _Run:
             (rid, r.status.name) for rid, r in self.requests.items() if not r.is_finished
         )
         unfinished.update((w.request_id, "NOT_ARRIVED") for w in self.pending)
-        records = [self.tokens.record(rid, unfinished.get(rid)) for rid in self.tokens.requests]
+        refused = {rid: f"refused: TTFT objective unmeetable; gave up after {s.retries} "
+                        f"retries" for rid, s in self.gave_up.items()}
+        records = [self.tokens.record(rid, unfinished.get(rid), refused.get(rid))
+                   for rid in self.tokens.requests]
         stats = self.sched.stats()
         hello = (
             scheduler_hello(self.sched, strategy="continuous", source="simulator")
@@ -260,6 +470,57 @@ class _Run:
                            reason, self.timeline, self.kv.total_time, self.kv.busy_steps,
                            step_hello=hello, step_records=self.step_records)
         result.num_recompute_tokens = stats.num_recompute_tokens
-        result.request_stats = [RequestStat.of(r) for r in self.requests.values()]
+        sent = {rid: w.arrival_time for rid, w in self.tokens.requests.items()}
+        result.request_stats = [
+            RequestStat.of(r, sent[rid] if rid in self.retries else None,
+                           self.retries.get(rid, 0))
+            for rid, r in self.requests.items()
+        ]
         result.tenant_service = self.tenant_service
+        result.refusals = self.refusals
+        result.gave_up = self.gave_up
         return result
+
+
+class _WaitProbe:
+    """Re-simulations of one refused request sent again after different waits. The run
+    before the request is sent again does not depend on when that will be, so each
+    re-simulation starts from the latest state kept at or before its send time, and keeps
+    the state it reaches there for the next."""
+
+    def __init__(self, run: _Run, w: WorkloadRequest, when: float, ttft: float) -> None:
+        self.w, self.when, self.ttft = w, when, ttft
+        self.kept = [run.fork()]  # states without the request, by time
+
+    def met(self, delay: float) -> bool:
+        """Sent again `delay` after the refusal: does its first token come within its TTFT
+        objective?"""
+        send = self.when + delay
+        base = max((k for k in self.kept if k.now <= send), key=lambda k: k.now,
+                   default=self.kept[0])
+        fork = base.fork()
+        if fork.now < send:
+            fork.advance(send)
+            self.kept.append(fork.fork())
+        fork.probe = self.w.request_id
+        fork.pending.push(send, self.w, PROBE)
+        deadline = send + self.ttft
+        while fork.probe_first_token is None:
+            if fork.now >= deadline or fork.stop_reason() is not None:
+                return False
+            fork.admit_arrivals()
+            if not fork.sched.has_unfinished_requests():
+                fork.queued = None
+                if fork.pending:
+                    fork.now = max(fork.now, fork.pending.next_time())
+                continue
+            fork.step()
+        return fork.probe_first_token <= deadline
+
+
+def retry_after_header(seconds: float) -> int:
+    """A wait as the server's `Retry-After` states it: whole seconds, rounded up, at least 1
+    (the rule of `service.engine.stream.whole_seconds`)."""
+    return max(1, math.ceil(seconds)) if math.isfinite(seconds) else 1
+
+

@@ -80,7 +80,7 @@ def test_variance_trace_keeps_the_mean_and_declares_a_bound() -> None:
 
 def test_load_trace_sends_the_same_requests_faster() -> None:
     trace = load_trace(0.05)
-    assert trace.queues == ("fcfs", "sjf") and trace.victims == ("newest",)
+    assert trace.pairs == (("fcfs", "newest"), ("sjf", "newest"), ("slo", "slack"))
     rates = [p.args.request_rate for p in trace.points]
     assert rates == sorted(rates) and rates[2] == pytest.approx(SPREAD4_CAPACITY)
     first, last = trace.points[0].workload, trace.points[-1].workload
@@ -132,8 +132,10 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     assert code == 0
     data = json.loads((tmp_path / "policies.json").read_text())
     rows = data["rows"]
-    # variance-load runs fcfs and sjf with victim newest only, at each of its 7 loads
-    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2 + 7 * 2
+    # variance-load runs fcfs and sjf with victim newest only (and slo, not asked for here), at
+    # each of its 7 loads; two-class its pairs among those asked for (fcfs, sjf, fair) at its
+    # 8 loads; below-capacity fcfs on 5 mixes at 4 loads
+    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2 + 7 * 2 + 8 * 3 + 5 * 4
     load = [r for r in rows if r["trace"] == "variance-load"]
     assert {(r["queue"], r["victim"]) for r in load} == {("fcfs", "newest"), ("sjf", "newest")}
     assert [r["point"] for r in load if r["queue"] == "fcfs"] == ["0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4"]
@@ -149,5 +151,7 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     assert "over FCFS goodput by offered load" in report and "## variance-load" in report
     assert "## kv-capacity" in report and "## tenant-flood" in report
     pngs = {p.name for p in tmp_path.glob("*.png")}
-    assert pngs == {"token-budget.png", "kv-capacity.png", "length-variance.png", "variance-load.png", "tenant-flood.png"}
+    assert pngs == {"token-budget.png", "kv-capacity.png", "length-variance.png", "variance-load.png", "tenant-flood.png",
+                    "two-class.png", "below-capacity.png"}
+    assert "## two-class" in report and "## below-capacity" in report
     assert simulate(["compare-policies", "--traces", "nope", "--no-plots", "--out-dir", str(tmp_path)]) == 2
