@@ -124,7 +124,7 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
     add = g.add_argument
     add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
         help="waiting-queue order: fcfs, priority (aged), sjf (shortest predicted first, aged), "
-             "fair (per `user`), slo (least slack first; steps held to the tightest TPOT)")
+             "fair (per `user`), slo (least slack first)")
     add("--victim-policy", choices=VICTIM_POLICIES, default=d.victim_policy,
         help="which running request preemption evicts (default: priority under the priority "
              "policy, slack under slo, else newest)")
@@ -147,15 +147,14 @@ def _add_policy_args(g: argparse._ArgumentGroup) -> None:
              "ttft=2000,tpot=150 (default: none)")
     add("--slo-class", type=_slo_class, action="append", default=[],
         metavar="CLASS=ttft=MS,tpot=MS",
-        help="objectives of a class, over the default: user:NAME or priority:N, e.g. "
-             "user:batch=ttft=60000,tpot=none; repeat, or a JSON file "
-             '{"user:batch": {"ttft_ms": 60000, "tpot_ms": null}}')
+        help="a class's objectives over the default, e.g. user:batch=ttft=60000,tpot=none or "
+             "priority:0=ttft=500; repeatable, or a JSON file")
     add("--slo-demotion-s", type=NON_NEGATIVE, default=d.slo_demotion_s,
         help="slo: seconds a request whose deadline is lost (or that has none) yields to "
              "meetable ones (default %(default)g)")
     add("--reject-unmeetable", action="store_true", default=d.reject_unmeetable,
-        help="answer a request whose TTFT objective the forecast says cannot be met with 429 "
-             "and the predicted wait until it could be (Retry-After)")
+        help="refuse a request whose TTFT objective is forecast unmeetable: 429, with the "
+             "predicted wait until it could be met as Retry-After")
 
 
 # Flags whose dest is a SchedulerConfig field of the same name and value.
