@@ -29,6 +29,7 @@ HEADLINE = {
     "tenant-flood": "4:1",
     "two-class": "1.2",
     "below-capacity": "spread4@0.9",
+    "variance-reject": "2.0",
 }
 SJF_TARGET = 1.3  # goodput over FCFS's
 SLO_TARGET = 1.5  # two-class at 1.2x: slo's share of requests meeting all objectives / FCFS's
@@ -48,6 +49,13 @@ COLUMNS = (
 )
 FAIR_COLUMNS = (("service_gap", "service gap", ".0f"), ("jain", "Jain", ".3f"))
 OBJECTIVE_COLUMNS = (("slo_attainment", "objectives met", ".3f"),)
+REJECT_COLUMNS = (
+    ("refusals", "refusals", "d"),
+    ("gave_up", "gave up", "d"),
+    ("retry_after_error", "Retry-After err", ".0%"),
+    ("retry_after_unneeded", "unneeded", "d"),
+    ("retry_after_measured", "re-simulated", "d"),
+)
 # the two-class trace: per class, from row["classes"]
 TWO_CLASS_COLUMNS = (
     ("slo_attainment", "all met", ".3f"),
@@ -281,17 +289,24 @@ def _two_class_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
             "the longest prefill)",
             "",
         ]
-    plain = {q: find(q, REJECT_LOAD) for q in ("fcfs", "slo")}
+    out += _reject_lines(rows, mode, "two-class", REJECT_LOAD)
+    return out
+
+
+def _reject_lines(rows: list[dict[str, Any]], mode: str, trace: str, point: str) -> list[str]:
+    """--reject-unmeetable at `point` of `trace`: the refusals and their Retry-After."""
+    out: list[str] = []
     for queue in ("slo-reject", "fcfs-reject"):
-        r = find(queue, REJECT_LOAD)
+        r = _find(rows, trace=trace, point=point, queue=queue, mode=mode)
         if r is None:
             continue
-        base = plain[queue.removesuffix("-reject")] or {}
-        head = f"**--reject-unmeetable at {REJECT_LOAD}x, {queue.removesuffix('-reject')}:**"
+        policy = queue.removesuffix("-reject")
+        base = _find(rows, trace=trace, point=point, queue=policy, mode=mode) or {}
+        head = f"**--reject-unmeetable, {trace} at {point}x, {policy}:**"
         if not r.get("refusals"):
             out += [f"{head} refused nothing: every request's TTFT objective was forecast "
                     "meetable on arrival, so there is no Retry-After to judge (objectives met: "
-                    f"{_pct(r['slo_attainment'])}, as without the check: "
+                    f"{_pct(r['slo_attainment'])}; without the check: "
                     f"{_pct(base.get('slo_attainment'))}).", ""]
             continue
         err = r.get("retry_after_error")
@@ -314,6 +329,11 @@ def _two_class_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
             "",
         ]
     return out
+
+
+def _variance_reject_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    points = dict.fromkeys(r["point"] for r in rows if r["trace"] == "variance-reject")
+    return [line for p in points for line in _reject_lines(rows, mode, "variance-reject", p)]
 
 
 def _below_target(rows: list[dict[str, Any]], mode: str) -> list[str]:
@@ -358,6 +378,7 @@ def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         *_flood_target(rows, mode),
         *_victim_target(rows, mode),
         *_two_class_target(rows, mode),
+        *_variance_reject_target(rows, mode),
         *_below_target(rows, mode),
     ]
     for name in dict.fromkeys(r["trace"] for r in rows):
@@ -367,6 +388,8 @@ def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             mine = [_flat(r) for r in mine]
         else:
             cols = COLUMNS + OBJECTIVE_COLUMNS + (FAIR_COLUMNS if "jain" in mine[0] else ())
+            if any(r["queue"].endswith("-reject") for r in mine):
+                cols += REJECT_COLUMNS
         points = [r["point"] for r in mine]
         head = HEADLINE[name] if HEADLINE.get(name) in points else points[0]
         # each queue policy with victim newest, and slo with its own (slack) where it ran so

@@ -31,6 +31,8 @@
   objective), Poisson, at offered loads from 0.6x to 1.5x of the mix's capacity (measured
   as for the length-variance mixes), on a KV cache the size an 80 GB card holds for this
   model. The objectives are the server's classes (`--slo-class user:interactive=...`).
+- `variance-reject`: spread 4 at 1.5x and 2x of its capacity, slo with and without
+  `--reject-unmeetable` (FCFS too at 1.5x): refusals where slo itself misses objectives.
 - `below-capacity`: the other traces' mixes (length variance at spreads 1 and 4, the
   token-budget and KV-capacity presets' requests, the tenant flood's) at 0.6x to 0.9x of
   their own capacity, FCFS against slo: a scheduler that orders by deadlines must not do
@@ -250,6 +252,28 @@ def at_rate(workload: list[WorkloadRequest], factor: float) -> list[WorkloadRequ
     return [dataclasses.replace(w, arrival_time=w.arrival_time / factor) for w in workload]
 
 
+# ---- refusals on the length-variance mix -----------------------------------------------------
+
+VARIANCE_REJECT_LOADS = ("1.5", "2.0")
+
+
+def variance_reject_trace(scale: float) -> Trace:
+    """Spread 4 (every request held to the lab's TTFT and TPOT) at 1.5x and 2x of its
+    capacity, slo with and without --reject-unmeetable (and FCFS at 1.5x): where slo
+    itself can no longer meet every objective, so that it has something to refuse."""
+    n = _scaled(1200, scale)
+    trace = Trace("variance-reject", "load",
+                  f"spread 4 past its {SPREAD4_CAPACITY} req/s capacity, refusing the unmeetable",
+                  pairs=(("slo", "slack"), ("slo-reject", "slack")))
+    for factor in VARIANCE_REJECT_LOADS:
+        rate = float(factor) * SPREAD4_CAPACITY
+        pairs = (("fcfs", "newest"), ("fcfs-reject", "newest"), *(trace.pairs or ())) \
+            if factor == "1.5" else None
+        trace.points.append(TracePoint(factor, variance_args(n, rate),
+                                       variance_workload(n, 4.0, rate, 0), pairs))
+    return trace
+
+
 # ---- two classes with objectives ----------------------------------------------------------
 
 TWO_CLASS_N = 1500
@@ -395,7 +419,7 @@ def below_trace(scale: float) -> Trace:
 
 
 TRACES = ("token-budget", "kv-capacity", "length-variance", "variance-load", "tenant-flood",
-          "two-class", "below-capacity")
+          "two-class", "below-capacity", "variance-reject")
 
 
 def build_trace(name: str, scale: float = 1.0, variance_rate: float = VARIANCE_RATE) -> Trace:
@@ -409,6 +433,8 @@ def build_trace(name: str, scale: float = 1.0, variance_rate: float = VARIANCE_R
         return two_class_trace(scale)
     if name == "below-capacity":
         return below_trace(scale)
+    if name == "variance-reject":
+        return variance_reject_trace(scale)
     if name in PRESETS:
         return preset_trace(name, scale)
     raise ValueError(f"unknown trace {name!r}: choose from {', '.join(TRACES)}")

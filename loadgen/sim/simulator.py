@@ -37,8 +37,12 @@ from __future__ import annotations
 
 import copy
 import heapq
+import io
 import math
+import pickle
+import types
 import zlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,10 +157,59 @@ class _Arrivals:
 # Waiting queues that key their requests by id() (scheduler/queues.py, scheduler/fairness.py):
 # a copied queue must see its copies' ids.
 _ID_KEYED = ("_live", "_removed", "_order")
+_SHARED: dict[int, Any] = {}  # functions a fork shares with its original, while it is made
 
 
-def _remap_ids(queue: WaitingQueue, memo: dict[int, Any]) -> None:
-    new_id = {old: id(new) for old, new in memo.items() if isinstance(new, Request)}
+def _shared(key: int) -> Any:
+    return _SHARED[key]
+
+
+class _ForkPickler(pickle.Pickler):
+    """Copies the scheduler's state at C speed; functions (the queues' and the scheduler's
+    closures over the step-cost model) are shared, as `copy.deepcopy` would share them, and
+    so is each object in `share` (what no run changes)."""
+
+    def __init__(self, file: io.BytesIO, share: tuple[object, ...]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.share = {id(x) for x in share}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, types.FunctionType) and obj is not _shared) or id(obj) in self.share:
+            _SHARED[id(obj)] = obj
+            return _shared, (id(obj),)
+        return NotImplemented
+
+
+def _copy(obj: Any, share: tuple[object, ...] = ()) -> Any:
+    buf = io.BytesIO()
+    try:
+        _ForkPickler(buf, share).dump(obj)
+        return pickle.loads(buf.getvalue())
+    finally:
+        _SHARED.clear()
+
+
+def _pair_requests(a: Any, b: Any, out: dict[int, Request], depth: int = 0) -> None:
+    """Map id(request in `a`) -> the request at the same place in its copy `b`."""
+    if isinstance(a, Request):
+        out[id(a)] = b
+    elif depth > 4:
+        return
+    elif isinstance(a, list | tuple | deque):
+        for x, y in zip(a, b, strict=True):
+            _pair_requests(x, y, out, depth + 1)
+    elif isinstance(a, dict):
+        for key, value in a.items():
+            _pair_requests(value, b[key], out, depth + 1)
+    elif depth == 0:
+        for name, value in vars(a).items():
+            _pair_requests(value, getattr(b, name), out, depth + 1)
+
+
+def _remap_ids(original: WaitingQueue, queue: WaitingQueue) -> None:
+    pairs: dict[int, Request] = {}
+    _pair_requests(original, queue, pairs)
+    new_id = {old: id(new) for old, new in pairs.items()}
     for name in _ID_KEYED:
         table = getattr(queue, name, None)
         if isinstance(table, dict):
@@ -330,16 +383,16 @@ class _Run:
     def fork(self) -> _Run:
         """A copy of this run's scheduling state that can run on without touching it:
         no records, timelines or measurements of its own."""
-        memo: dict[int, Any] = {
-            id(r.prompt_token_ids): r.prompt_token_ids for r in self.sched.requests.values()
-        }
         sim = copy.copy(self.sim)
         sim.record_timeline = sim.record_service = sim.record_steps = False
         sim.check_integrity = False
-        sched, queued, sim.step_model = copy.deepcopy(
-            (self.sched, self.queued, self.sim.step_model), memo
+        # the scheduler's step-cost model changes only where it is the one the run refits
+        cost = self.sched.config.step_cost
+        fixed = (cost,) if cost is not None and cost is not self.sim.step_model else ()
+        sched, queued, sim.step_model = _copy(
+            (self.sched, self.queued, self.sim.step_model), fixed
         )
-        _remap_ids(sched.waiting, memo)
+        _remap_ids(self.sched.waiting, sched.waiting)
         out = copy.copy(self)
         out.sim, out.sched, out.queued = sim, sched, queued
         out.pending = self.pending.copy()

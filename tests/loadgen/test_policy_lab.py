@@ -134,8 +134,8 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     rows = data["rows"]
     # variance-load runs fcfs and sjf with victim newest only (and slo, not asked for here), at
     # each of its 7 loads; two-class its pairs among those asked for (fcfs, sjf, fair) at its
-    # 8 loads; below-capacity fcfs on 5 mixes at 4 loads
-    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2 + 7 * 2 + 8 * 3 + 5 * 4
+    # 8 loads; below-capacity fcfs on 5 mixes at 4 loads; variance-reject fcfs at 1.5x
+    assert len(rows) == (6 + 6 + 4 + 1) * 3 * 2 + 7 * 2 + 8 * 3 + 5 * 4 + 1
     load = [r for r in rows if r["trace"] == "variance-load"]
     assert {(r["queue"], r["victim"]) for r in load} == {("fcfs", "newest"), ("sjf", "newest")}
     assert [r["point"] for r in load if r["queue"] == "fcfs"] == ["0.8", "0.9", "1.0", "1.1", "1.2", "1.3", "1.4"]
@@ -152,6 +152,6 @@ def test_compare_policies_end_to_end_at_toy_size(tmp_path: Path) -> None:
     assert "## kv-capacity" in report and "## tenant-flood" in report
     pngs = {p.name for p in tmp_path.glob("*.png")}
     assert pngs == {"token-budget.png", "kv-capacity.png", "length-variance.png", "variance-load.png", "tenant-flood.png",
-                    "two-class.png", "below-capacity.png"}
+                    "two-class.png", "below-capacity.png", "variance-reject.png"}
     assert "## two-class" in report and "## below-capacity" in report
     assert simulate(["compare-policies", "--traces", "nope", "--no-plots", "--out-dir", str(tmp_path)]) == 2
