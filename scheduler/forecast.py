@@ -12,8 +12,12 @@ The model, from what the scheduler holds now and its step-cost model::
     prefill     = ceil(work ahead / chunk) steps of that step's predicted time
     seats       = when the running batch (max_num_seqs) or the KV pool has no room for the
                   requests ahead and this one, the running requests that would finish first
-                  (by predicted output length) decode until they make room, then prefill
-    forecast    = max(prefill, seats + its own prefill) + half a step (the step in flight)
+                  (by predicted output length) decode until they make room (decode-only
+                  steps: nothing new prefills while there is no room), then prefill
+    in flight   = while requests run, 1.5 steps: the engine keeps two plans in flight, so a
+                  request queued now enters the plan after the one already queued, while
+                  the one executing is (on average) half done
+    forecast    = max(prefill, seats + its own prefill) + in flight
 
 (A last chunk shorter than the rest costs its own, shorter step.)
 
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 from common.arith import cdiv
 from scheduler.request import Request
 from scheduler.step_cost import BatchShape, StepCostFn
+from scheduler.step_time_budget import step_limit
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -63,8 +68,8 @@ class _Steps:
         target = sched.step_target()
         limit = math.inf
         if target is not None and self.decodes.num_decode_tokens:
-            share = config.min_prefill_share
-            limit = max(target, cost(self.decodes) / (1.0 - share)) if share else target
+            firm = sched.step_objective() is not None
+            limit = step_limit(target, cost(self.decodes), config.min_prefill_share, firm)
         if self.time(budget) <= limit:
             self.chunk = budget
         else:
@@ -78,9 +83,10 @@ class _Steps:
             self.chunk = lo
 
     def time(self, chunk: int) -> float:
-        """One step's predicted time with a prefill chunk of `chunk` tokens."""
+        """One step's predicted time with a prefill chunk of `chunk` tokens (0: none)."""
         shape = self.decodes.copy()
-        shape.add(chunk, 0, samples=False)
+        if chunk:
+            shape.add(chunk, 0, samples=False)
         return self.cost(shape)
 
     def prefill(self, tokens: int) -> float:
@@ -95,8 +101,9 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     are done (see the module docstring)."""
     steps = _Steps(sched, cost)
     work = sum(_prefill_left(r) for r in sched.running)
-    work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead) + own_tokens
-    in_flight = steps.time(min(work, steps.chunk)) / 2
+    work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead)
+    in_flight = 1.5 * steps.time(min(work, steps.chunk)) if sched.running else 0.0
+    work += own_tokens
     prefill = steps.prefill(work)
     config = sched.config
     seats = len(sched.running) + len(sched.swapped) + len(ahead) + (1 if own_tokens else 0)
@@ -106,7 +113,7 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     if seats <= 0 and blocks <= 0:
         return prefill + in_flight
     wait = 0.0
-    decode_s = steps.time(steps.chunk)  # a step while the backlog lasts
+    decode_s = steps.time(0)  # a step while there is no room
     for r in sorted(sched.running, key=_samples_left):  # the first to finish make room
         seats -= 1
         blocks -= len(sched.kv.block_ids(r.request_id))

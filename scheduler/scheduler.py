@@ -13,7 +13,8 @@ With a step-time budget (`SchedulerConfig.max_step_ms`), phase 1 schedules every
 before any prefill chunk, and `StepTimeBudget` sizes each chunk so that the step's predicted
 time stays within the target while requests decode (scheduler/step_time_budget.py). Under
 the slo policy a step's target is the tightest TPOT objective among the requests decoding
-in it (`step_target`), and `max_step_ms` where none of them has one.
+in it (`step_objective`, a firm target: the prefill share does not stretch it), and
+`max_step_ms` where none of them has one.
 
 Every request's objectives are resolved on arrival (scheduler/slo.py); with a step-cost
 model its first token is forecast then too (scheduler/forecast.py), and `admission_check`
@@ -132,16 +133,21 @@ class Scheduler:
         return admitted_within(self, count, self._now(now))
 
     def step_target(self) -> float | None:
-        """The target the next step's time is held to (None: no time budget): under the slo
-        policy the tightest TPOT objective among the running requests that decode, else
-        (and where none has one) `max_step_ms`."""
+        """The target the next step's time is held to (None: no time budget): the step's
+        objective (`step_objective`) where it has one, else `max_step_ms`."""
         if self._time is None:
             return None
-        if self.config.scheduling_policy != "slo":
-            return self._time.target
+        objective = self.step_objective()
+        return self._time.target if objective is None else objective
+
+    def step_objective(self) -> float | None:
+        """Under the slo policy, the tightest TPOT objective (seconds) among the running
+        requests that decode: the next step's firm target (see StepTimeBudget); else None."""
+        if self._time is None or self.config.scheduling_policy != "slo":
+            return None
         tpots = [r.slo.tpot_s for r in self.running
                  if r.slo.tpot_s is not None and r.num_output_tokens + r.num_placeholders > 0]
-        return min(tpots) if tpots else self._time.target
+        return min(tpots) if tpots else None
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         req = self.requests.get(request_id)
@@ -165,7 +171,7 @@ class Scheduler:
         now = self._plan_time = self._now(now)
         step = StepBuilder(next(self._step_ids), self.config.max_num_batched_tokens)
         if self._time is not None:
-            self._time.begin_step(self.step_target())
+            self._time.begin_step(self.step_objective())
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step, now)

@@ -15,6 +15,12 @@ once the decodes alone take more than `1 - prefill_share` of the target (a large
 slow machine), the limit grows with them, so prefill keeps that share of the step's time
 instead of shrinking to one block a step. `prefill_share = 0`: the limit is the target.
 
+A TPOT objective (the slo policy's target, `begin_step(objective)`) is firm: the share
+does not stretch it while the decodes alone fit within it, because a step over it misses
+the objective of every request decoding in it; prefill then gets what the decodes leave
+(at least the guaranteed chunk below). Once the decodes alone are over the objective it
+is lost for this step anyway, and the share's rule applies again.
+
 - Nothing decodes in the step: the chunk keeps the whole token budget (throughput).
 - The first prefill of a step always gets at least up to its next block boundary (a whole
   block when its computed part is block-aligned, as it is after any time-capped chunk or
@@ -36,6 +42,15 @@ from scheduler.step import StepBuilder
 from scheduler.step_cost import BatchShape, StepCostFn
 
 
+def step_limit(target: float, decode_s: float, prefill_share: float, firm: bool) -> float:
+    """A step's limit from its `target`, the predicted time of its decodes alone
+    (`decode_s`, 0 without decodes) and the prefill share; `firm`: the target is a TPOT
+    objective (see the module docstring)."""
+    if not prefill_share or not decode_s or (firm and decode_s <= target):
+        return target
+    return max(target, decode_s / (1.0 - prefill_share))
+
+
 class StepTimeBudget:
     """Per-scheduler state of the time budget; `begin_step` resets the per-step part."""
 
@@ -52,12 +67,15 @@ class StepTimeBudget:
         self._progressed = False  # a prefill chunk is in this step already
         self._limit: float | None = None  # this step's limit, once known
         self._target = target  # this step's target
+        self._firm = False  # this step's target is a TPOT objective
 
-    def begin_step(self, target: float | None = None) -> None:
-        """A new step, held to `target` seconds (None: the configured target)."""
+    def begin_step(self, objective: float | None = None) -> None:
+        """A new step, held to the TPOT `objective` in seconds (firm), else (None) to the
+        configured target."""
         self._progressed = False
         self._limit = None
-        self._target = self.target if target is None else target
+        self._firm = objective is not None
+        self._target = self.target if objective is None else objective
 
     def limit(self, shape: BatchShape) -> float:
         """The step's limit, fixed at its first chunk or admission, when `shape` holds the
@@ -67,7 +85,7 @@ class StepTimeBudget:
             if self.prefill_share and shape.num_decode_tokens:
                 decodes = shape.copy()
                 decodes.swap_blocks = 0
-                limit = max(limit, self.cost(decodes) / (1.0 - self.prefill_share))
+                limit = step_limit(limit, self.cost(decodes), self.prefill_share, self._firm)
             self._limit = self.last_limit = limit
         return self._limit
 

@@ -143,6 +143,29 @@ def test_a_step_is_held_to_the_tightest_tpot_among_its_decodes() -> None:
     assert cfg.step_cost is not None
 
 
+@pytest.mark.parametrize(("tpot", "chunk"), [
+    # 60 decodes: 10 ms + 60 x 1 ms = 70 ms. Under a 100 ms objective they fit, so the
+    # objective is firm: 70 + m <= 100 -> m <= 30, cut to the block boundary: 16 tokens.
+    # (The prefill share's stretch would allow 70 / (1 - 0.5) = 140 ms: m <= 70 -> 64.)
+    (0.1, 16),
+    # Under a 50 ms objective the decodes alone are over it (lost for this step anyway):
+    # the share's rule applies, 140 ms -> 64 tokens.
+    (0.05, 64),
+])
+def test_a_tpot_objective_is_not_stretched_by_the_prefill_share_while_the_decodes_fit(tpot: float, chunk: int) -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=128, num_gpu_blocks=1024, block_size=16,
+                          max_model_len=1024, scheduling_policy="slo", step_cost=Cost(step=0.01, token=0.001),
+                          max_step_ms=300.0, min_prefill_share=0.5)
+    s, w = Scheduler(cfg), MirrorWorker(16, 1024)
+    for i in range(60):
+        s.add_request(_req(f"chat{i}", 16, 0.0, tpot=tpot, max_tokens=500))
+    _decode_all(s, w)
+    assert s.step_objective() == pytest.approx(tpot)
+    s.add_request(_req("long", 600, 0.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens["long"] == chunk
+
+
 def test_under_fcfs_the_target_stays_the_configured_one() -> None:
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=512, step_cost=Cost(), max_step_ms=300.0)
     s, w = Scheduler(cfg), MirrorWorker(16, 64)
@@ -179,15 +202,15 @@ def test_the_first_token_forecast_adds_the_work_ahead_in_steps() -> None:
                           step_cost=Cost(step=0.01, token=0.001), reject_unmeetable=True)
     s = Scheduler(cfg)
     alone = _req("alone", 100, 0.0, ttft=1.0)
-    # one step of 100 tokens (0.11 s) plus half of it for the step in flight
+    # one step of 100 tokens (0.11 s); nothing runs, so no plan is in flight ahead of it
     assert s.admission_check(alone, now=0.0) is None
-    assert alone.predicted_ttft == pytest.approx(0.11 * 1.5)
+    assert alone.predicted_ttft == pytest.approx(0.11)
     s.add_request(_req("ahead", 300, 0.0))
     late = _req("late", 100, 0.0, ttft=0.2)
-    # 400 tokens: a full step of 256 (0.266 s) and one of 144 (0.154 s), plus 0.133 in flight
+    # 400 tokens: a full step of 256 (0.266 s) and one of 144 (0.154 s)
     wait = s.admission_check(late, now=0.0)
-    assert late.predicted_ttft == pytest.approx(0.266 + 0.154 + 0.133)
-    assert wait == pytest.approx(0.553 - 0.2)
+    assert late.predicted_ttft == pytest.approx(0.266 + 0.154)
+    assert wait == pytest.approx(0.42 - 0.2)
     assert late.request_id not in s.requests  # the check changes nothing
 
 
@@ -202,11 +225,14 @@ def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
     _decode_all(s, w)
     probe = _req("probe", 32, 0.0, ttft=0.1)
     wait = s.admission_check(probe, now=0.0)
-    # running: 20 outputs left; a step with its decode + a 63-token chunk: 0.01 + 0.064 s
-    step = 0.01 + 0.064
+    # running: 20 outputs left, each a decode-only step (nothing new can prefill without a
+    # seat): 0.011 s; then its own prefill, priced with the decodes as they run now
+    decode = 0.01 + 0.001
     own = 0.01 + 0.001 * (1 + 32)
-    in_flight = own / 2
-    assert probe.predicted_ttft == pytest.approx(20 * step + own + in_flight)
+    # two plans are in flight ahead of it (one half done on average, one queued), both
+    # decode-only: nothing else waits to prefill
+    in_flight = 1.5 * decode
+    assert probe.predicted_ttft == pytest.approx(20 * decode + own + in_flight)
     assert wait == pytest.approx(probe.predicted_ttft - 0.1)
 
 
@@ -226,7 +252,7 @@ def test_a_full_queue_predicts_when_it_has_room() -> None:
     s = Scheduler(cfg)
     for i in range(3):
         s.add_request(_req(f"w{i}", 200, float(i)))
-    # the first two leave after 400 tokens: 0.266 + 0.154 s, plus half a full step in flight
-    assert s.admission_wait(2, now=0.0) == pytest.approx(0.266 + 0.154 + 0.133)
+    # the first two leave after 400 tokens: 0.266 + 0.154 s (nothing runs: nothing in flight)
+    assert s.admission_wait(2, now=0.0) == pytest.approx(0.266 + 0.154)
     assert Scheduler(SchedulerConfig()).admission_wait(1, now=0.0) is None
     assert math.isfinite(s.admission_wait(3, now=0.0) or math.inf)

@@ -273,14 +273,17 @@ def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerC
                 s.add_request(reqs[rid])
         if t <= last or s.has_unfinished_requests():
             target = s.step_target() or 0.0  # the configured one, or under slo the tightest TPOT
+            firm = s.step_objective() is not None
             plan = s.schedule(now=float(t))
             assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
             assert len(plan.num_scheduled_tokens) <= cfg.max_num_seqs
             whole, decodes, chunks = _plan_shape(plan, w, prompt_len)
             if decodes.num_reqs and cost(decodes) > target:
                 over_decodes += 1
-            # the step's limit: the target, or its decodes' time / (1 - share) where larger
-            limit = max(target, cost(decodes) / (1 - share)) if decodes.num_reqs and share else target
+            # the step's limit: the target, or its decodes' time / (1 - share) where larger,
+            # unless the target is a TPOT objective that the decodes alone fit within
+            decode_s = cost(decodes) if decodes.num_reqs else 0.0
+            limit = target if not share or not decode_s or (firm and decode_s <= target) else max(target, decode_s / (1 - share))
             if decodes.num_reqs and not plan.preempted_req_ids and cost(whole) > limit:
                 # over the target only by the one guaranteed chunk of prefill progress (a step
                 # that preempts may be: its swap-out copies come after the chunks were sized)

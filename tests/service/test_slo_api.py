@@ -327,17 +327,17 @@ async def test_goodput_counts_met_and_missed_objectives(ticking: App) -> None:
         assert after[key] - before.get(key, 0.0) == want.get(key, 0), key
     # every class's series exist from the start, at zero until a request of it ends
     assert _slo("default", "both", "met") in before and _tokens("user:batch", "missed") in before
-    # the first-token forecast of each (an empty queue: its prompt in one step, and half a
-    # step for the step in flight) against its measured TTFT
-    predicted = STEP_S + STEP_S / 2
-    assert ttft - predicted == -0.125  # earlier than forecast, by half a step
+    # the first-token forecast of each (an empty queue and nothing running: its prompt in
+    # one step, no plan in flight ahead of it) against its measured TTFT: exact
+    predicted = STEP_S
+    assert ttft - predicted == 0.0
     count = _key("stepserve:ttft_forecast_error_seconds_count")
     assert after[count] - before[count] == len(requests)
-    early = _key("stepserve:ttft_forecast_error_seconds_bucket", le="-0.1")
-    earlier = _key("stepserve:ttft_forecast_error_seconds_bucket", le="-0.25")
-    assert after[early] - before[early] == len(requests) and after[earlier] == before[earlier]
+    exact = _key("stepserve:ttft_forecast_error_seconds_bucket", le="0.0")
+    early = _key("stepserve:ttft_forecast_error_seconds_bucket", le="-0.01")
+    assert after[exact] - before[exact] == len(requests) and after[early] == before[early]
     error = _key("stepserve:ttft_forecast_abs_error_seconds_sum")
-    assert after[error] - before[error] == pytest.approx(len(requests) * (predicted - ttft))
+    assert after[error] - before[error] == pytest.approx(0.0)
 
 
 async def test_an_aborted_request_is_not_met(ticking: App) -> None:
@@ -386,7 +386,7 @@ async def test_judging_aborts_and_single_tokens() -> None:
 # The parked app's queue: QUEUED requests of QUEUED_LEN prompt tokens, nothing running, KV
 # and seats to spare. Nothing decodes, so a step computes a whole budget's chunk of the
 # prefills ahead (and its own) and costs 10 ms + BUDGET x 1 ms, a last shorter chunk its
-# own shorter step; the forecast adds half a step for the step in flight.
+# own shorter step; nothing runs, so no plan is in flight ahead of a new request.
 
 STEP = 0.010 + 0.001 * BUDGET  # 0.522 s
 
@@ -401,9 +401,9 @@ async def test_reject_unmeetable_answers_429_with_the_predicted_wait(parked: App
     waiting = len(sched.waiting)
     own = 64
     assert QUEUED * QUEUED_LEN % BUDGET == 0  # the queue's prefills fill 8 whole steps
-    first_token = QUEUED * QUEUED_LEN // BUDGET * STEP + (0.010 + 0.001 * own) + STEP / 2  # 4.511 s
+    first_token = QUEUED * QUEUED_LEN // BUDGET * STEP + (0.010 + 0.001 * own)  # 4.250 s
     objective_ms = 1000
-    retry = math.ceil(first_token - objective_ms / 1e3)  # 3.511 s -> 4
+    retry = math.ceil(first_token - objective_ms / 1e3)  # 3.250 s -> 4
     assert retry == 4
     before = await _metrics(client)
     for headers, body in (({}, {"slo_ttft_ms": objective_ms}), ({"x-slo-ttft-ms": str(objective_ms)}, {"n": 2})):
@@ -443,7 +443,7 @@ async def test_the_waiting_limit_429_carries_the_predicted_wait(parked: App) -> 
     finally:
         engine.max_waiting_requests = None
     assert resp.status == 429, await resp.text()
-    leave = n * QUEUED_LEN // BUDGET * STEP + STEP / 2  # the first n prefills, a step each: 1.827 s
+    leave = n * QUEUED_LEN // BUDGET * STEP  # the first n prefills, a step each: 1.566 s
     assert resp.headers["Retry-After"] == str(math.ceil(leave)) == "2"
     err = (await resp.json())["error"]
     assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
