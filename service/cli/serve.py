@@ -104,7 +104,7 @@ def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
             await worker.shutdown()
             raise
         name = a["served_model_name"] or info.model_name
-        metrics = _metrics(name, info)
+        metrics = _metrics(name, info, a["metrics_compat"])
         engine = AsyncEngine(
             Scheduler(sched_config),
             worker,
@@ -137,8 +137,8 @@ def _grammars(
     )
 
 
-def _metrics(name: str, info: WorkerInfo) -> ServiceMetrics:
-    metrics = ServiceMetrics(name)
+def _metrics(name: str, info: WorkerInfo, compat: str | None) -> ServiceMetrics:
+    metrics = ServiceMetrics(name, compat=compat)
     metrics.set_worker(
         device=info.device, dtype=info.dtype, quantization=info.quantization,
         compiled=info.compiled, attention_backend=info.attention_backend,

@@ -20,6 +20,7 @@ from scheduler.flags import (
 from service.cli.cpu_scheduling import DEFAULT_ENGINE_CPU_SCHEDULING, ENGINE_CPU_SCHEDULING
 from service.cli.stats_log import DEFAULT_INTERVAL_S
 from service.cli.version import package_version
+from service.engine.vllm_names import COMPAT_MODES
 from service.http.state import DEFAULT_MAX_BODY_SIZE
 from service.http.tool_calls import TOOL_CALL_PARSERS
 from worker.config import (
@@ -96,6 +97,9 @@ def _add_server(p: argparse.ArgumentParser) -> None:
                    help="no access log (one line per request: method, path, status, bytes, time)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, queues, KV-cache usage)")
+    g.add_argument("--metrics-compat", choices=COMPAT_MODES, default=None,
+                   help="also export /metrics' counters and histograms under vLLM's names "
+                   "(for its dashboards; routers' gauges always are)")
     g.add_argument("--log-stats-interval", type=POSITIVE, default=DEFAULT_INTERVAL_S,
                    help="seconds between stats lines while there is traffic (default %(default)g)")
     g.add_argument("--engine-cpu-scheduling", choices=ENGINE_CPU_SCHEDULING,

@@ -118,7 +118,11 @@ class AsyncEngine:
         self.step_records = StepRecordHub(scheduler, clock)  # the live view's per-step stream
         self.admission = scheduler if isinstance(scheduler, AdmissionControl) else None
         if metrics is not None and self.admission is not None:
-            metrics.declare_slo_classes(self.admission.config.slo_classes.names)
+            config = self.admission.config
+            metrics.declare_slo_classes(config.slo_classes.names)
+            metrics.set_cache_config(
+                block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks
+            )
         if grammars is not None:
             self.step_records.grammar_waiting = lambda: grammars.num_waiting
         if step_time is not None:
@@ -135,8 +139,14 @@ class AsyncEngine:
         return len(self.output)
 
     @property
+    def num_pending(self) -> int:
+        """Requests submitted that the loop has not yet handed to the scheduler."""
+        return len(self._new)
+
+    @property
     def stats(self) -> SchedulerStats:
-        """The scheduler snapshot taken after the last step."""
+        """The scheduler snapshot taken after the last plan, output or inbox change (what
+        admission control and GET /get_load read)."""
         return self._stats
 
     def check_capacity(self, count: int) -> None:
@@ -148,7 +158,7 @@ class AsyncEngine:
         if self.dead.is_set():
             raise EngineDeadError(self.error or "engine is not running")
         limit = self.max_waiting_requests
-        waiting = self._stats.num_waiting + len(self._new)
+        waiting = self._stats.num_waiting + self.num_pending
         if limit is None or waiting + count <= limit:
             return
         wait = self.predicted_wait(waiting + count - limit)
@@ -364,7 +374,7 @@ class AsyncEngine:
                 return
             now = self.clock()
             self.worker.submit(plan)
-            stats = self.scheduler.stats()  # its step_* fields describe this plan
+            stats = self._stats = self.scheduler.stats()  # its step_* fields: this plan
             in_flight.append(
                 InFlightStep(plan, now, stats.step_prefill_tokens, stats.step_decode_tokens)
             )

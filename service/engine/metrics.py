@@ -4,6 +4,10 @@ Counters get ``_total`` appended by prometheus-client on exposition, so
 ``stepserve:prompt_tokens`` is scraped as ``stepserve:prompt_tokens_total`` (vLLM's name).
 Scheduler gauges and cumulative counters are refreshed from `SchedulerStats` once per
 step; token and request histograms by the engine's output processor, as outputs arrive.
+The gauges routers read are also exported under vLLM's names (``vllm:num_requests_waiting``
+...), and with ``--metrics-compat vllm`` the counters and histograms vLLM's dashboards plot:
+renamed at scrape time (`vllm_names.py`). The registry also carries prometheus-client's
+process, platform and GC collectors (``process_resident_memory_bytes``...).
 
 Objectives (scheduler/slo.py) are judged when a request ends (`observe_objectives`):
 ``stepserve:slo_requests_total{class, objective, outcome}`` counts, per objective a request
@@ -21,19 +25,25 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from scheduler.slo import SLO, slo_met, ttft_and_tpot
 from scheduler.stats import SchedulerStats
+from service.engine.vllm_names import VllmNames, aliases
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,12 +55,16 @@ _REQUEST_BUCKETS = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0,
 )
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# vLLM's: 1, 2, 5, 10, 20, 50, ... (vLLM stops at max_model_len; a million is past any here)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # measured - predicted first-token time: late (positive) and early (negative) alike
 _ERROR_STEPS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _FORECAST_ERROR_BUCKETS = (*(-e for e in reversed(_ERROR_STEPS)), 0.0, *_ERROR_STEPS)
 SLO_OBJECTIVES = ("ttft", "tpot", "both")
 SLO_OUTCOMES = ("met", "missed")
 REJECT_REASONS = ("queue_full", "slo_unmeetable")
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class ServiceMetrics:
@@ -60,10 +74,18 @@ class ServiceMetrics:
     ``labels()`` costs more than the observation itself, and it runs per token.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        compat: str | None = None,
+    ) -> None:
+        """`compat`: "vllm" exports the dashboards' families under vLLM's names too."""
         disable_created_metrics()  # the *_created series only add noise to every scrape
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self._families: dict[str, MetricWrapperBase] = {}  # by name: what VllmNames renames
         self._last_cumulative = {
             "prefix_queries": 0,
             "prefix_hits": 0,
@@ -75,15 +97,19 @@ class ServiceMetrics:
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"stepserve:{name}", doc, labels, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"stepserve:{name}", doc, labels, registry=r).labels(model_name)
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"stepserve:{name}", doc, labels, buckets=buckets, registry=r).labels(
+            return self._family(Gauge(f"stepserve:{name}", doc, labels, registry=r)).labels(
                 model_name
             )
+
+        def counter(name: str, doc: str) -> Counter:
+            return self._family(Counter(f"stepserve:{name}", doc, labels, registry=r)).labels(
+                model_name
+            )
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return self._family(
+                Histogram(f"stepserve:{name}", doc, labels, buckets=buckets, registry=r)
+            ).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge(
@@ -129,12 +155,12 @@ class ServiceMetrics:
             "prompt_tokens", "Prompt tokens of requests that started generating."
         )
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._request_success = Counter(
+        self._request_success = self._family(Counter(
             "stepserve:request_success",
             "Finished requests by finish reason.",
             labels + ["finished_reason"],
             registry=r,
-        )
+        ))
         self.request_success = {
             reason: self._request_success.labels(model_name, reason)
             for reason in ("stop", "length", "abort")
@@ -145,9 +171,9 @@ class ServiceMetrics:
         self.inter_token_latency = hist(
             "inter_token_latency_seconds", "Time between streamed tokens.", _LATENCY_BUCKETS
         )
-        self.time_per_output_token = hist(
-            "time_per_output_token_seconds",
-            "Per request: (e2e - ttft) / (output tokens - 1).",
+        self.request_time_per_output_token = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: its decode time / (output tokens - 1).",
             _LATENCY_BUCKETS,
         )
         self.e2e_request_latency = hist(
@@ -155,6 +181,23 @@ class ServiceMetrics:
         )
         self.request_queue_time = hist(
             "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+        )
+        self.request_prefill_time = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_BUCKETS
+        )
+        self.request_decode_time = hist(
+            "request_decode_time_seconds", "First token to the request's end.", _REQUEST_BUCKETS
+        )
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Output tokens of each finished request.", _TOKEN_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "iteration_tokens_total",
+            "Tokens per step (prefill and decode).",
+            _ITERATION_TOKEN_BUCKETS,
         )
         self.iteration_num_requests = hist(
             "iteration_num_requests", "Requests per step (batch size).", _COUNT_BUCKETS
@@ -213,6 +256,27 @@ class ServiceMetrics:
             "stepserve:worker", "How the worker runs the model (chosen at start-up).", labels,
             registry=r,
         ).labels(model_name)
+        self.cache_config = self._family(Info(
+            "stepserve:cache_config", "The KV cache's shape: block size and device blocks.",
+            labels, registry=r,
+        )).labels(model_name)
+        # The default registry's collectors, for this registry (RSS, CPU, open fds, GC)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        r.register(VllmNames(self._families, aliases(compat)))
+
+    def _family(self, metric: M) -> M:
+        """Keep `metric` by its full name, for `VllmNames` to rename."""
+        self._families[metric._name] = metric
+        return metric
+
+    def set_cache_config(self, *, block_size: int, num_gpu_blocks: int) -> None:
+        """The KV cache's shape (vLLM's ``cache_config_info``: the endpoint picker reads the
+        block size off it)."""
+        self.cache_config.info(
+            {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
+        )
 
     def set_worker(
         self,
@@ -273,6 +337,7 @@ class ServiceMetrics:
         self.iteration_num_requests.observe(num_reqs)
         self.iteration_prefill_tokens.observe(prefill_tokens)
         self.iteration_decode_tokens.observe(decode_tokens)
+        self.iteration_tokens.observe(prefill_tokens + decode_tokens)
         self.step_duration.observe(duration)
         if execute_time > 0:
             self.model_execute_time.observe(execute_time)
@@ -308,8 +373,11 @@ class ServiceMetrics:
         queue_time: float | None,
         ttft: float | None,
         num_output: int,
+        num_prompt: int = 0,
+        prefill_time: float | None = None,
     ) -> None:
-        """A request ended (stop, length or abort)."""
+        """A request ended (stop, length or abort). `prefill_time` runs from its first
+        scheduling to its first token; its decode time from there to now (e2e - ttft)."""
         child = self.request_success.get(reason)
         if child is None:
             child = self.request_success[reason] = self._request_success.labels(
@@ -317,10 +385,17 @@ class ServiceMetrics:
             )
         child.inc()
         self.e2e_request_latency.observe(e2e)
+        self.request_prompt_tokens.observe(num_prompt)
+        self.request_generation_tokens.observe(num_output)
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)
-        if ttft is not None and num_output > 1:
-            self.time_per_output_token.observe((e2e - ttft) / (num_output - 1))
+        if prefill_time is not None:
+            self.request_prefill_time.observe(prefill_time)
+        if ttft is not None:
+            decode_time = e2e - ttft
+            self.request_decode_time.observe(decode_time)
+            if num_output > 1:
+                self.request_time_per_output_token.observe(decode_time / (num_output - 1))
 
     def declare_slo_classes(self, names: Iterable[str]) -> None:
         """Export the objective counters of these classes at zero (so that a rate over them

@@ -24,6 +24,10 @@ TTFT from arrival to the step that delivered the first token, the TPOT from ther
 end over the tokens after the first (`scheduler.slo.ttft_and_tpot`). An aborted request
 meets none of them but a TTFT objective its first token had already met; a request aborted
 before the scheduler took it is not judged (it never had its objectives resolved).
+
+`num_tokens` is the work in flight that a router weighs (GET /get_load): the prompt and
+output tokens so far of every live request, waiting or running, kept as a running sum so
+that reading it costs nothing however long the queue.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class OutputProcessor:
         self.metrics = metrics
         self.max_buffered_tokens = max_buffered_tokens
         self._reqs: dict[str, _RequestState] = {}
+        self.num_tokens = 0  # prompt + output tokens of the live requests
         # With `summarize` set (a live view listens), `process` leaves its step's summary here.
         self.summarize = False
         self.last_delivery: StepDelivery | None = None
@@ -112,6 +117,7 @@ class OutputProcessor:
     ) -> None:
         """Start tracking a request whose deltas go to `stream`."""
         stops = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
+        self.num_tokens += stream.num_prompt_tokens
         self._reqs[stream.request_id] = _RequestState(
             stream,
             IncrementalDetokenizer(self.tokenizer, detokenize),
@@ -162,6 +168,7 @@ class OutputProcessor:
             if reason is None:
                 continue
             del reqs[out.req_id]
+            self._forget(state)
             self._record_finish(state, reason, now)
             ended.append((out.req_id, reason))
             if not out.finished:  # a stop string or an overflow: the scheduler does not know
@@ -182,6 +189,7 @@ class OutputProcessor:
             text = stops.feed(text)
         if out.finished:
             text += self._final_text(state)
+        self.num_tokens += out.num_output_tokens - state.num_output
         state.num_output = out.num_output_tokens
         state.num_cached = out.num_cached_tokens
         reason, stop_reason = (
@@ -224,6 +232,7 @@ class OutputProcessor:
         state = self._reqs.pop(request_id, None)
         if state is None:
             return False
+        self._forget(state)
         state.stream.push(
             self._final_text(state), (), (), state.num_output, state.num_cached, "abort"
         )
@@ -234,6 +243,7 @@ class OutputProcessor:
         """The scheduler refused the request: its stream ends with `error`."""
         state = self._reqs.pop(request_id, None)
         if state is not None:
+            self._forget(state)
             state.stream.fail(error)
 
     def fail_all(self, error: EngineError) -> None:
@@ -241,6 +251,11 @@ class OutputProcessor:
         for state in self._reqs.values():
             state.stream.fail(error)
         self._reqs.clear()
+        self.num_tokens = 0
+
+    def _forget(self, state: _RequestState) -> None:
+        """`state`'s request left `_reqs`: its tokens are no longer in flight."""
+        self.num_tokens -= state.stream.num_prompt_tokens + state.num_output
 
     # -- metrics ------------------------------------------------------------------------
 
@@ -252,8 +267,12 @@ class OutputProcessor:
             if state.first_scheduled_time is None
             else state.first_scheduled_time - state.arrival_time
         )
-        ttft = (
-            None if state.first_token_time is None else state.first_token_time - state.arrival_time
+        first_token = state.first_token_time
+        ttft = None if first_token is None else first_token - state.arrival_time
+        prefill_time = (
+            None
+            if first_token is None or state.first_scheduled_time is None
+            else first_token - state.first_scheduled_time
         )
         self.metrics.observe_finished(
             reason,
@@ -261,6 +280,8 @@ class OutputProcessor:
             queue_time=queue_time,
             ttft=ttft,
             num_output=state.num_output,
+            num_prompt=state.stream.num_prompt_tokens,
+            prefill_time=prefill_time,
         )
         req = state.request
         if req is not None:

@@ -2,7 +2,8 @@
 `cleanup_ctx`.
 
 Routes: the API's are declared in one place, `_routes` below (handlers for /v1 completions in
-`openai_routes.py`, for /tokenize and /detokenize in `tokenize_routes.py`); the live view's
+`openai_routes.py`, for /tokenize and /detokenize in `tokenize_routes.py`, for the load a
+router polls, /get_load, in `router_routes.py`); the live view's
 (/dashboard, its assets, login and record stream) in `dashboard_routes.py`, which
 `add_dashboard` registers unless the dashboard is disabled.
 
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from scheduler.fairness import tenant_report
 from service.engine.metrics import CONTENT_TYPE
-from service.http import openai_routes, tokenize_routes
+from service.http import openai_routes, router_routes, tokenize_routes
 from service.http.dashboard_routes import add_dashboard
 from service.http.errors import APIError, Handler, error_middleware
 from service.http.protocol import GENERATION_DEFAULTS, NO_DEFAULTS, GenerationDefaults
@@ -64,6 +65,7 @@ def _routes(config: AppConfig) -> list[web.RouteDef]:
         web.get("/health", health),
         web.get("/version", version),
         web.get("/metrics", metrics),
+        web.get(router_routes.PATH, router_routes.get_load),
         web.get("/v1/models", models),
         web.post("/v1/completions", openai_routes.completions),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
@@ -81,8 +83,8 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer auth on /v1/*, /tokenize and /detokenize when an API key is set; /health and
-    /metrics stay open."""
+    """Bearer auth on /v1/*, /tokenize and /detokenize when an API key is set; /health,
+    /metrics and /get_load stay open."""
     key = request.app[STATE].config.api_key
     if key and (request.path.startswith("/v1/") or request.path in tokenize_routes.PATHS):
         header = request.headers.get("Authorization", "")

@@ -90,7 +90,7 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     used = _dashboard_metrics()
     assert used - exported == set()
     # and it plots every family a vLLM dashboard plots: load, KV use, cache hits, latencies, steps
-    families = {"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc", "prefix_cache_hits_total", "prefix_cache_queries_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "iteration_num_requests_sum", "iteration_prefill_tokens_sum", "iteration_decode_tokens_sum", "step_duration_seconds_bucket"}
+    families = {"num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc", "prefix_cache_hits_total", "prefix_cache_queries_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "request_time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "iteration_num_requests_sum", "iteration_prefill_tokens_sum", "iteration_decode_tokens_sum", "step_duration_seconds_bucket"}
     assert {f"stepserve:{f}" for f in families} <= used
 
 
