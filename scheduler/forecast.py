@@ -14,6 +14,10 @@ The model, from what the scheduler holds now and its step-cost model::
                   requests ahead and this one, the running requests that would finish first
                   (by predicted output length) decode until they make room (decode-only
                   steps: nothing new prefills while there is no room), then prefill
+    yielding    = under the `slack` victim policy, the KV blocks of running requests (not
+                  the oldest) with more slack, after their own recompute, than this
+                  request has: when the pool runs short they are preempted first and
+                  queue behind it, so it does not wait for them to finish
     in flight   = while requests run, 1.5 steps: the engine keeps two plans in flight, so a
                   request queued now enters the plan after the one already queued, while
                   the one executing is (on average) half done
@@ -32,7 +36,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from common.arith import cdiv
+from scheduler.queues import prefill_time_of
 from scheduler.request import Request
+from scheduler.slo import slack
 from scheduler.step_cost import BatchShape, StepCostFn
 from scheduler.step_time_budget import step_limit
 
@@ -95,10 +101,28 @@ class _Steps:
         return full * self.time(self.chunk) + (self.time(rest) if rest else 0.0)
 
 
+def _yielding(sched: Scheduler, now: float, own_slack: float | None) -> frozenset[str]:
+    """Ids of the running requests that the `slack` victim policy would preempt before a
+    request with `own_slack` seconds to spare waits for their blocks (none under the
+    other victim policies, or for a request without a TTFT objective)."""
+    if own_slack is None or sched.config.effective_victim_policy != "slack":
+        return frozenset()
+    running = sched.running
+    if len(running) < 2:
+        return frozenset()
+    oldest = min(running, key=lambda r: r.admit_seq)  # never the victim (PROTECT_OLDEST)
+    prefill_time = prefill_time_of(sched.config)
+    return frozenset(
+        r.request_id for r in running
+        if r is not oldest and slack(r, now, prefill_time, preempting=True) > own_slack
+    )
+
+
 def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own_blocks: int,
-                cost: StepCostFn) -> float:
+                cost: StepCostFn, yielding: frozenset[str] = frozenset()) -> float:
     """Seconds until the prefills of the running requests, `ahead`, and `own_tokens` more
-    are done (see the module docstring)."""
+    are done, where the running requests in `yielding` give up their blocks when asked
+    (see the module docstring)."""
     steps = _Steps(sched, cost)
     work = sum(_prefill_left(r) for r in sched.running)
     work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead)
@@ -110,13 +134,15 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     seats -= config.max_num_seqs
     blocks = sum(cdiv(r.num_tokens, config.block_size) for r in ahead) + own_blocks
     blocks -= sched.num_free_blocks
+    blocks -= sum(sched.kv.blocks_freed_by(r) for r in sched.running if r.request_id in yielding)
     if seats <= 0 and blocks <= 0:
         return prefill + in_flight
     wait = 0.0
     decode_s = steps.time(0)  # a step while there is no room
     for r in sorted(sched.running, key=_samples_left):  # the first to finish make room
         seats -= 1
-        blocks -= len(sched.kv.block_ids(r.request_id))
+        if r.request_id not in yielding:
+            blocks -= len(sched.kv.block_ids(r.request_id))
         wait = _samples_left(r) * decode_s
         if seats <= 0 and blocks <= 0:
             break
@@ -133,7 +159,10 @@ def first_token(sched: Scheduler, req: Request, now: float) -> float | None:
     mine = queue.rank(req, now)
     ahead = [r for r in queue if queue.rank(r, now) <= mine]
     own_blocks = cdiv(req.num_tokens, sched.config.block_size)
-    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost)
+    ttft = req.slo.ttft_s
+    own_slack = None if ttft is None else ttft - prefill_time_of(sched.config)(req.num_tokens)
+    yielding = _yielding(sched, now, own_slack)
+    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, yielding)
 
 
 def admitted_within(sched: Scheduler, count: int, now: float) -> float | None:

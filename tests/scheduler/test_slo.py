@@ -236,6 +236,29 @@ def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
     assert wait == pytest.approx(probe.predicted_ttft - 0.1)
 
 
+@pytest.mark.parametrize(("victim", "waits"), [("slack", False), ("newest", True)])
+def test_under_the_slack_victim_policy_a_request_does_not_wait_for_blocks_that_would_yield(victim: str, waits: bool) -> None:
+    # 30 blocks of 16: "old" (TPOT objective, the oldest: never a victim) holds 1, "batch"
+    # (no objective: infinite slack) 16, 13 are free. A probe of 256 tokens needs 16.
+    cfg = SchedulerConfig(max_num_batched_tokens=512, num_gpu_blocks=30, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", victim_policy=victim, step_cost=Cost(step=0.01, token=0.001),
+                          output_len_predictor="max_tokens", max_step_ms=0.0, reject_unmeetable=True)
+    s, w = Scheduler(cfg), MirrorWorker(16, 30)
+    s.add_request(_req("old", 16, 0.0, tpot=0.1, max_tokens=100))
+    s.add_request(_req("batch", 256, 0.0, max_tokens=200))
+    _decode_all(s, w)
+    assert s.num_free_blocks == 13
+    probe = _req("probe", 256, 0.0, ttft=1.0)
+    s.admission_check(probe, now=0.0)
+    decode = 0.01 + 0.001 * 2  # the two running decodes alone
+    own = 0.01 + 0.001 * (2 + 256)  # its prefill riding with them
+    in_flight = 1.5 * decode
+    if waits:  # newest: "old" finishes first (99 outputs to go) but frees too few; then batch's 199
+        assert probe.predicted_ttft == pytest.approx(199 * decode + own + in_flight)
+    else:  # slack: batch would be preempted for it (more slack than its 1 s less its prefill)
+        assert probe.predicted_ttft == pytest.approx(own + in_flight)
+
+
 def test_without_reject_unmeetable_nothing_is_refused() -> None:
     s = Scheduler(SchedulerConfig(step_cost=Cost(), num_gpu_blocks=64, block_size=16, max_model_len=512))
     assert s.admission_check(_req("x", 400, 0.0, ttft=0.001), now=0.0) is None
