@@ -4,7 +4,9 @@ multi-turn conversations on the replica that caches their prefix (more prefix-ca
 than `round_robin` on requests of the same shape); `power_of_two` polls every replica's
 load and routes around the one it reads as busy; a replica killed with `kill -9` mid-load
 ends its streams with an error, leaves the rotation within a few health-check intervals
-and rejoins when restarted on its port; and real text from the default model streams
+and rejoins when restarted on its port; a SIGTERM'd replica answers /health with 503 at
+once, so the router stops sending to it while it drains its streams whole and exits 0; and
+real text from the default model streams
 through. Three InstantRunner replicas keep all but the last case cheap; the default model
 gets one replica of its own. Time limits are generous bounds on events, never speed checks.
 
@@ -14,6 +16,7 @@ under vLLM's gauge names (`vllm:num_requests_running`, ...); it never asks GET /
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -288,6 +291,58 @@ def test_a_killed_replica_fails_its_streams_leaves_and_rejoins(fleet: list[Repli
         for i in range(6):
             assert api.completions.create(model=MODEL, prompt=f"rejoined {i}", max_tokens=4).choices[0].text
     assert served([victim], [0], 2) == [2], victim.log()  # round robin: a third of six
+
+
+def test_sigterm_drains_a_replica_while_the_router_stops_sending_to_it(fleet: list[Replica], tmp_path: Path,
+                                                                       router: Any) -> None:
+    """SIGTERM to a replica under load: its /health answers 503 at once, so the router counts
+    it unhealthy while it drains; its streams still finish whole; every request sent after
+    goes to the other replica; the replica exits 0."""
+    draining = Replica(free_port(), (*INSTANT_REPLICA, "--shutdown-timeout", "120"), tmp_path)
+    draining.start()
+    try:
+        draining.wait_ready(timeout=300)
+        survivor = fleet[1]
+        front = router([survivor, draining], "round_robin")
+        api = client(front)
+        outcomes: dict[int, tuple[int, str | None]] = {}  # stream -> (chunks, finish_reason)
+        started = [threading.Event() for _ in range(4)]
+
+        def read(i: int) -> None:
+            chunks, reason = 0, None
+            try:
+                # 8,000 tokens take the instant worker seconds: the drain outlasts health checks
+                for chunk in api.completions.create(model=MODEL, prompt=f"drain {i}", max_tokens=8000, stream=True,
+                                                    extra_body={"ignore_eos": True}):
+                    started[i].set()
+                    chunks += 1
+                    reason = chunk.choices[0].finish_reason if chunk.choices else reason
+            finally:
+                started[i].set()
+                outcomes[i] = (chunks, reason)
+
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(120), "a stream did not start"
+        wait_for(lambda: draining.metric(RUNNING) == 2, 60, "two streams on the draining replica")  # round robin
+        assert draining.process is not None
+        draining.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: not front.health()[draining.url], 30, "smg to count the draining replica unhealthy")
+        sent, before = front.worker_requests(), posts([survivor])
+        with client(front) as fresh:
+            for i in range(4):
+                assert fresh.completions.create(model=MODEL, prompt=f"meanwhile {i}", max_tokens=4).choices[0].text
+        assert served([survivor], before, 4) == [4]
+        assert front.worker_requests()[draining.url] == sent[draining.url]
+        for thread in threads:
+            thread.join(120)
+        assert all(reason == "length" for _, reason in outcomes.values()), outcomes  # none cut short
+        assert draining.process.wait(120) == 0, draining.log()
+        assert draining.access_count("GET", "/health", "503") >= 1, draining.log()  # the router's checks, draining
+    finally:
+        draining.kill()
 
 
 # -- the default model -------------------------------------------------------------------------
