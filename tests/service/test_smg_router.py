@@ -6,8 +6,7 @@ load and routes around the one it reads as busy; a replica killed with `kill -9`
 ends its streams with an error, leaves the rotation within a few health-check intervals
 and rejoins when restarted on its port; a SIGTERM'd replica answers /health with 503 at
 once, so the router stops sending to it while it drains its streams whole and exits 0; and
-real text from the default model streams
-through. Three InstantRunner replicas keep all but the last case cheap; the default model
+real text from the default model streams through. Three InstantRunner replicas keep all but the last case cheap; the default model
 gets one replica of its own. Time limits are generous bounds on events, never speed checks.
 
 smg 1.13 takes a replica for vLLM (by its /version) and reads its load from GET /metrics,
