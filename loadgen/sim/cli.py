@@ -7,6 +7,7 @@ stepserve simulate sweep --param NAME V1,V2,...
 stepserve simulate roofline --model-shape llama-3.1-8b --hardware a100
 stepserve simulate calibrate --from bench_output.json [--out profile.json]
 stepserve simulate compare-policies [--traces ...] [--scale X] [--out-dir DIR]
+stepserve simulate cluster --replicas N --router NAME [--load X] [--sweep] [run flags]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from loadgen.plotting import PlotsUnavailable, require_plots
 from loadgen.report import format_table
-from loadgen.sim import policy_lab
+from loadgen.sim import cluster_lab, policy_lab
 from loadgen.sim.calibrate import calibrate_bench
 from loadgen.sim.cost_model import get_hardware
 from loadgen.sim.result import SimResult
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     commands: dict[str, Callable[[list[str]], int]] = {
         "sweep": cmd_sweep, "roofline": cmd_roofline, "calibrate": cmd_calibrate,
-        "compare-policies": policy_lab.main,
+        "compare-policies": policy_lab.main, "cluster": cluster_lab.main,
         "compare": lambda rest: cmd_run(rest, compare=True), "run": cmd_run}
     try:
         if args and args[0] in commands:
