@@ -98,8 +98,9 @@ class StreamRecord:
         return sum(n for _, n in self.events)
 
 
-def _body(prompt: str, tokens: int) -> dict[str, object]:
+def _body(prompt: str, tokens: int, model: str | None = None) -> dict[str, object]:
     return {
+        **({"model": model} if model else {}),
         "prompt": prompt,
         "max_tokens": tokens,
         "temperature": 0,
@@ -124,13 +125,13 @@ def _record_line(rec: StreamRecord, line: bytes) -> None:
 
 async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int,
                      bytes_per_s: float | None = None, stall: asyncio.Event | None = None,
-                     rec: StreamRecord | None = None) -> StreamRecord:
+                     rec: StreamRecord | None = None, model: str | None = None) -> StreamRecord:
     """Read one streamed request: as fast as possible, at most `bytes_per_s`, or (with
     `stall`) the first event and then nothing until `stall` is set. Into `rec` if given, so
     a reader cancelled midway leaves what it had received."""
     rec = rec or StreamRecord(time.perf_counter())
     try:
-        await _read(session, url, prompt, tokens, bytes_per_s, stall, rec)
+        await _read(session, url, prompt, tokens, bytes_per_s, stall, rec, model)
     except (aiohttp.ClientError, ConnectionError) as exc:
         rec.error = f"connection lost: {type(exc).__name__}"
     return rec
@@ -144,8 +145,9 @@ async def _read(
     bytes_per_s: float | None,
     stall: asyncio.Event | None,
     rec: StreamRecord,
+    model: str | None = None,
 ) -> None:
-    async with session.post(url + "/v1/completions", json=_body(prompt, tokens)) as resp:
+    async with session.post(url + "/v1/completions", json=_body(prompt, tokens, model)) as resp:
         resp.raise_for_status()
         pending = b""
         while True:
@@ -197,13 +199,18 @@ def _session() -> aiohttp.ClientSession:
     )
 
 
-async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, float]:
+async def run_level(
+    url: str, concurrency: int, tokens: int, model: str | None = None
+) -> dict[str, float]:
+    """`concurrency` streams of `tokens` tokens at once (after one to warm up), naming
+    `model` when given (a router needs it to pick a worker)."""
     async with _session() as session:
-        await one_stream(session, url, "warm up", 4)
+        await one_stream(session, url, "warm up", 4, model=model)
         start = time.perf_counter()
-        records = await asyncio.gather(
-            *[one_stream(session, url, f"Stream {i} says", tokens) for i in range(concurrency)]
-        )
+        records = await asyncio.gather(*[
+            one_stream(session, url, f"Stream {i} says", tokens, model=model)
+            for i in range(concurrency)
+        ])
         wall = time.perf_counter() - start
     return {"concurrency": concurrency, "tokens_per_stream": tokens, **summarize(records, wall)}
 

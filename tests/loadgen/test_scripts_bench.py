@@ -79,3 +79,19 @@ def test_threads_times_a_combination_in_a_child_module() -> None:
         assert row[f"batch_{batch}_ms"] > 0
         assert row[f"batch_{batch}_max_ms"] >= row[f"batch_{batch}_ms"]
 
+
+
+def test_router_benchmark_measures_both_arms_at_toy_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench.router` end to end at toy size: every token streams on both arms (the script
+    raises otherwise) and the ratios are router over direct."""
+    from bench import router
+
+    if router.smg_executable() is None:
+        pytest.skip("smg is not installed (the test extra installs it)")
+    assert router.main(["--concurrency", "4", "--tokens", "8", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["smg_version"] != "unknown"
+    for arm in ("direct", "router"):
+        assert out[arm]["tokens_per_s"] > 0 and out[arm]["ttft_ms_p50"] > 0
+    ratio = out["ratio_router_over_direct"]["tokens_per_s"]
+    assert ratio == round(out["router"]["tokens_per_s"] / out["direct"]["tokens_per_s"], 3)

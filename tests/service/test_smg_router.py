@@ -6,8 +6,10 @@ load and routes around the one it reads as busy; a replica killed with `kill -9`
 ends its streams with an error, leaves the rotation within a few health-check intervals
 and rejoins when restarted on its port; a SIGTERM'd replica answers /health with 503 at
 once, so the router stops sending to it while it drains its streams whole and exits 0; and
-real text from the default model streams through. Three InstantRunner replicas keep all but the last case cheap; the default model
-gets one replica of its own. Time limits are generous bounds on events, never speed checks.
+real text from the default model streams through. Three replicas of the instant stand-in,
+paced at 10 ms a step so long streams stay running, keep all but the last case cheap; the
+default model gets one replica of its own. Time limits are generous bounds on events, never
+speed checks.
 
 smg 1.13 takes a replica for vLLM (by its /version) and reads its load from GET /metrics,
 under vLLM's gauge names (`vllm:num_requests_running`, ...); it never asks GET /get_load."""
@@ -224,24 +226,30 @@ def test_power_of_two_polls_every_replica_for_its_load(fleet: list[Replica], rou
              60, "smg to poll each replica's /metrics three times")
 
 
+BUSY_STREAMS = 16
+
+
 def test_power_of_two_routes_around_the_replica_it_reads_as_busy(fleet: list[Replica], router: Any) -> None:
-    """Six streams sent to one replica directly, past the router: once the router's poll
+    """Sixteen streams sent to one replica directly, past the router: once the router's poll
     reads them, each of its two-way draws prefers the other replica, so none of its
     requests goes to the busy one. Compared by request counts: the default, expected wait,
-    may rate a replica with free batch slots as no slower than an idle one."""
+    may rate a replica with free batch slots as no slower than an idle one. smg adds its own
+    dispatches since the last poll to a replica's polled count, so the busy replica runs more
+    streams than the router's twelve requests could add to an idle one between two polls."""
     busy, idle = fleet[0], fleet[1:]
     front = router(fleet, "power_of_two", "--power-of-two-load-metric", "requests")
-    streams = StreamSet(busy, 6)
+    streams = StreamSet(busy, BUSY_STREAMS)
     try:
         streams.wait_running([busy])
-        wait_for(lambda: front.engine_loads().get(busy.url, {}).get("num_running_reqs") == 6, 60,
-                 "smg to read the busy replica's six running requests")
+        wait_for(lambda: front.engine_loads().get(busy.url, {}).get("num_running_reqs") == BUSY_STREAMS, 60,
+                 "smg to read the busy replica's running requests")
         seen = {url: load["num_running_reqs"] for url, load in front.engine_loads().items()}
-        assert seen == {busy.url: 6, **{r.url: 0 for r in idle}}, seen
+        assert seen == {busy.url: BUSY_STREAMS, **{r.url: 0 for r in idle}}, seen
         before = posts(fleet)  # the busy replica logs its streams only when they end
         with client(front) as api:
             for i in range(12):
                 assert api.completions.create(model=MODEL, prompt=f"around {i}", max_tokens=4).choices[0].text
+        assert busy.metric(RUNNING) == BUSY_STREAMS, "the busy replica's streams ended before the router's requests did"
         assert served(fleet, before, 12)[0] == 0, front.engine_loads()  # all twelve on the idle two
         assert not streams.errors
     finally:
@@ -310,8 +318,8 @@ def test_sigterm_drains_a_replica_while_the_router_stops_sending_to_it(fleet: li
         def read(i: int) -> None:
             chunks, reason = 0, None
             try:
-                # 8,000 tokens take the instant worker seconds: the drain outlasts health checks
-                for chunk in api.completions.create(model=MODEL, prompt=f"drain {i}", max_tokens=8000, stream=True,
+                # 1,500 paced tokens take 15 s or more: the drain outlasts health checks
+                for chunk in api.completions.create(model=MODEL, prompt=f"drain {i}", max_tokens=1500, stream=True,
                                                     extra_body={"ignore_eos": True}):
                     started[i].set()
                     chunks += 1

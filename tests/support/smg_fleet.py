@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-INSTANT_REPLICA = ("--worker-runner", "worker.execution.instant_runner:InstantRunner", "--kv-cache-memory", "512MiB")
+# The instant stand-in at 10 ms a step (tests/support/standin_runners.py): long streams stay running.
+INSTANT_REPLICA = ("--worker-runner", "standin_runners:PacedInstantRunner", "--kv-cache-memory", "512MiB")
 # The default model as the suite's other live servers run it: no kernel probe, no compile.
 REAL_REPLICA = ("--dtype", "float32", "--quantization", "none", "--enforce-eager", "--kv-cache-memory", "128MiB",
                 "--max-num-seqs", "4")
@@ -37,6 +38,11 @@ ROUTER_FLAGS = ("--backend", "vllm", "--health-check-interval-secs", "1", "--hea
                 "--load-monitor-interval", "1", "--shutdown-grace-period-secs", "1")
 _SAMPLE = re.compile(r"^(?P<name>[\w:]+)(?P<labels>\{.*\})? (?P<value>\S+)$", re.MULTILINE)
 _ACCESS_LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3}) ')
+
+
+def _child_path() -> str:
+    """PYTHONPATH for a replica: this folder first, so `standin_runners` imports there."""
+    return os.pathsep.join(filter(None, (str(Path(__file__).parent), os.environ.get("PYTHONPATH"))))
 
 
 def smg_executable() -> str | None:
@@ -121,7 +127,7 @@ class Replica:
                "--disable-log-stats", *self.args]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _child_path()})
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
