@@ -22,7 +22,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling import SamplingParams
 from worker.attention.registry import make_attention_backend
 from worker.attention.step import StepAttention
-from worker.config import WorkerConfig, WorkerInfo
+from worker.config import WorkerConfig, WorkerConfigError, WorkerInfo
 from worker.execution.copy_probe import measure_copy_bandwidth
 from worker.execution.grammar_masks import GrammarMasks
 from worker.execution.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
@@ -258,6 +258,11 @@ class ModelRunner(PlanRunner):
             )
         else:
             blocks = num_cpu_blocks(self.config.kv_cache_memory, block_bytes)
+            if blocks < 1:
+                raise WorkerConfigError(
+                    "kv_cache_memory", f"kv_cache_memory holds no KV block of "
+                    f"{self.config.block_size} tokens ({block_bytes} bytes); give it more memory"
+                )
         return KVCache(
             self.model_config, blocks, self.config.block_size, self.kv_dtype, self.device,
             self.config.swap_space,
