@@ -1,4 +1,4 @@
-"""`stepserve` command line: dispatches to `serve`, `bench`, `simulate` and `view`."""
+"""`stepserve` command line: dispatches to `serve`, `generate`, `bench`, `simulate` and `view`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import sys
 
 from service.cli.version import package_version
 
-USAGE = """usage: stepserve {serve,bench,simulate,view} [options] | --version
+USAGE = """usage: stepserve {serve,generate,bench,simulate,view} [options] | --version
 
   serve      start the OpenAI-compatible server (default model: SmolLM2-135M-Instruct)
+  generate   offline batch inference: a JSON Lines file of OpenAI requests to responses
   bench      Poisson load generator against an OpenAI-compatible server
   simulate   virtual-clock simulator driving the real scheduler
   view       play a simulator timeline (simulate --timeline-json) in the dashboard
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.cli.serve import main as serve_main
 
         return serve_main(rest)
+    if command == "generate":
+        from service.cli.generate import main as generate_main
+
+        return generate_main(rest)
     if command == "bench":
         from loadgen.bench import main as bench_main
 

@@ -77,9 +77,13 @@ def scheduler_config(
     )
 
 
-def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
+def engine_factory(
+    args: argparse.Namespace, refusal: Refusal, own_process: bool = True
+) -> EngineFactory:
     """Start the worker and load the tokenizer (concurrently), then build the engine. A
-    setting the worker refuses is left in `refusal` and raised as `StartupRefused`."""
+    setting the worker refuses is left in `refusal` and raised as `StartupRefused`. With
+    `own_process` (the server, `stepserve generate`) the start-up heap is frozen out of the
+    garbage collector's sweeps; a library caller's process keeps its collector as it was."""
     from common.tokenizer import load_tokenizer
     from worker.process.client import WorkerClient, WorkerStartupError
 
@@ -116,7 +120,8 @@ def engine_factory(args: argparse.Namespace, refusal: Refusal) -> EngineFactory:
             grammars=_grammars(info, tokenizer, worker, metrics),
         )
         _log_ready(info, sched_config)
-        freeze_startup_heap()
+        if own_process:
+            freeze_startup_heap()
         # after the worker started (it would inherit the policy, though it resets its own)
         log.info("%s", apply_engine_cpu_scheduling(a["engine_cpu_scheduling"]))
         return LoadedEngine(
@@ -271,26 +276,38 @@ async def _drain(state: ServiceState, timeout: float) -> None:
         log.warning("shutdown timeout: aborted the requests still running")
 
 
-def print_flag_error(error: FlagError, parser: argparse.ArgumentParser | None = None) -> None:
+def print_flag_error(
+    error: FlagError, parser: argparse.ArgumentParser | None = None, prog: str = "stepserve serve"
+) -> None:
     """As argparse prints its own errors: the usage line, then `stepserve serve: error: ...`."""
     if parser is not None:
         parser.print_usage(sys.stderr)
-    print(f"stepserve serve: error: {error}", file=sys.stderr)
+    print(f"{parser.prog if parser else prog}: error: {error}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `stepserve serve`: 0 after a drained shutdown, 2 for a refused flag,
-    1 for a failure."""
-    parser = build_parser()
+def read_flags(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, CheckedFlags | None]:
+    """The command line parsed (argparse exits 2 on what it refuses), logging set to its
+    level, and the flags checked: None in place of the checked flags once a refusal is
+    printed."""
     args = parse_serve_args(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        checked = check_serve_flags(args)
+        return args, check_serve_flags(args)
     except FlagError as exc:
         print_flag_error(exc, parser)
+        return args, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `stepserve serve`: 0 after a drained shutdown, 2 for a refused flag,
+    1 for a failure."""
+    args, checked = read_flags(build_parser(), argv)
+    if checked is None:
         return 2
     _log_startup(args, checked)
     with contextlib.suppress(KeyboardInterrupt):

@@ -102,15 +102,20 @@ def _add_server(p: argparse.ArgumentParser) -> None:
                    "(for its dashboards; routers' gauges always are)")
     g.add_argument("--log-stats-interval", type=POSITIVE, default=DEFAULT_INTERVAL_S,
                    help="seconds between stats lines while there is traffic (default %(default)g)")
-    g.add_argument("--engine-cpu-scheduling", choices=ENGINE_CPU_SCHEDULING,
-                   default=DEFAULT_ENGINE_CPU_SCHEDULING,
-                   help="the server process's CPU policy on Linux: batch (SCHED_BATCH) or normal; "
-                   "docs/cpu.md (default %(default)s)")
+    _add_process(g, "the server", log_level="info")
     g.add_argument("--engine-sched-policy", dest="engine_cpu_scheduling",
                    choices=ENGINE_CPU_SCHEDULING, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # its name until 0.1
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                   help="log level of the server and its worker (default %(default)s)")
+
+
+def _add_process(g: argparse._ArgumentGroup, what: str, log_level: str) -> None:
+    """The flags of the process itself, the server's or the offline run's."""
+    g.add_argument("--engine-cpu-scheduling", choices=ENGINE_CPU_SCHEDULING,
+                   default=DEFAULT_ENGINE_CPU_SCHEDULING,
+                   help=f"{what} process's CPU policy on Linux: batch (SCHED_BATCH) or normal; "
+                   "docs/cpu.md (default %(default)s)")
+    g.add_argument("--log-level", default=log_level, choices=LOG_LEVELS,
+                   help=f"log level of {what} and its worker (default %(default)s)")
     g.add_argument("--config", metavar="FILE.yaml",
                    help="flags from a YAML file: keys are flag names, values as on the command "
                    "line; the command line wins")
@@ -183,17 +188,43 @@ def _add_cache(p: argparse.ArgumentParser) -> None:
                    help="GiB of host memory for swapped-out blocks (default %(default)g: off)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `stepserve serve` argument parser (abbreviated flags are not accepted: they would
-    be ambiguous with the underscore spellings and config-file keys)."""
-    p = argparse.ArgumentParser(
-        prog="stepserve serve",
-        usage="%(prog)s [MODEL] [options]",
-        description="OpenAI-compatible LLM server with continuous batching (default model: "
-        "SmolLM2-135M-Instruct on the CPU).",
-        allow_abbrev=False,
-    )
-    _add_server(p)
+def _add_offline(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("offline")
+    g.add_argument("--input", "-i", metavar="FILE.jsonl",
+                   help="one request per line: an OpenAI batch line (custom_id, method, url, "
+                   "body) or a bare completion or chat body; - reads stdin")
+    g.add_argument("--output", "-o", metavar="FILE.jsonl",
+                   help="one result per line, in the input's order; - writes stdout")
+    g.add_argument("--disable-progress-bar", action="store_true",
+                   help="no progress bar (it shows only on a terminal anyway)")
+    _add_process(g, "the offline run", log_level="warning")
+    # What the engine reads of the server's flags: offline, this run is the only client.
+    p.set_defaults(max_waiting_requests=None, metrics_compat=None)
+
+
+def build_parser(offline: bool = False) -> argparse.ArgumentParser:
+    """The `stepserve serve` argument parser, or with `offline` `stepserve generate`'s: the
+    same model, cache and scheduler flags, with input and output files in place of the
+    server's (abbreviated flags are not accepted: they would be ambiguous with the
+    underscore spellings and config-file keys)."""
+    if offline:
+        p = argparse.ArgumentParser(
+            prog="stepserve generate",
+            usage="%(prog)s --input FILE.jsonl --output FILE.jsonl [MODEL] [options]",
+            description="Offline batch inference: OpenAI request bodies in, response bodies "
+            "out, in order, through the same engine as `stepserve serve` (no HTTP).",
+            allow_abbrev=False,
+        )
+        _add_offline(p)
+    else:
+        p = argparse.ArgumentParser(
+            prog="stepserve serve",
+            usage="%(prog)s [MODEL] [options]",
+            description="OpenAI-compatible LLM server with continuous batching (default "
+            "model: SmolLM2-135M-Instruct on the CPU).",
+            allow_abbrev=False,
+        )
+        _add_server(p)
     _add_model(p)
     _add_cache(p)
     add_scheduler_args(p)

@@ -135,6 +135,17 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=field or None)
 
 
+def request_error(exc: Exception) -> APIError | None:
+    """The client's error a failure of request handling is, or None for a server fault."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, SamplingParamsError):
+        return from_sampling_error(exc)
+    return None
+
+
 def _from_http_exception(exc: web.HTTPException) -> APIError:
     if exc.status == 404:
         return APIError(
@@ -155,16 +166,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Turn every failure into an OpenAI-shaped JSON error (unless a stream already began)."""
     try:
         return await handler(request)
-    except APIError as exc:
-        return exc.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return _from_http_exception(exc).response()
-    except ValidationError as exc:
-        return from_validation_error(exc).response()
-    except SamplingParamsError as exc:
-        return from_sampling_error(exc).response()
-    except Exception:
+    except Exception as exc:
+        error = request_error(exc)
+        if error is not None:
+            return error.response()
         log.exception("unhandled error in %s %s", request.method, request.path)
         return APIError(500, "internal server error; see the server log").response()

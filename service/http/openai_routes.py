@@ -13,6 +13,9 @@ the real one.
 Before anything is submitted, the engine may refuse the request with a 429 whose
 `Retry-After` is its predicted wait: past the waiting limit (`--max-waiting-requests`), or,
 with `--reject-unmeetable`, when its TTFT objective cannot be met as the queue stands.
+
+`respond_whole` answers a request body the same way without HTTP: the offline entry point
+(`stepserve generate`, `service.offline.LLM`) runs every request through it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -84,9 +87,28 @@ class _Prepared:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     state, loaded = ready(request)
-    req = CompletionRequest.model_validate(await read_json(request))
+    req, prepared, meta = await prepare_completion(
+        state, loaded, await read_json(request), request.headers
+    )
+    return await _serve(request, state, loaded, req, prepared, meta)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    state, loaded = ready(request)
+    req, prepared, meta = await prepare_chat(
+        state, loaded, await read_json(request), request.headers
+    )
+    return await _serve(request, state, loaded, req, prepared, meta)
+
+
+async def prepare_completion(
+    state: ServiceState, loaded: LoadedEngine, data: Any, headers: Mapping[str, str]
+) -> tuple[CompletionRequest, _Prepared, R.ResponseMeta]:
+    """A completion request's body validated, its prompts tokenized, its grammar compiled."""
+    req = CompletionRequest.model_validate(data)
     req.check()
-    slo = req.objectives(request.headers)
+    slo = req.objectives(headers)
     check_model(req.model, loaded)
     raw_prompts = req.prompts()
     _check_choice_count(len(raw_prompts), req.n)  # before tokenizing them all
@@ -99,15 +121,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     grammar = await compiled_grammar(loaded, req)
     prepared = _Prepared(prompts, await _bad_words(state, loaded, req), echo, grammar, slo)
     meta = R.ResponseMeta(_response_id("cmpl", req), int(time.time()), loaded.model_name, False)
-    return await _serve(request, state, loaded, req, prepared, meta)
+    return req, prepared, meta
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
-    state, loaded = ready(request)
-    req = ChatCompletionRequest.model_validate(await read_json(request))
+async def prepare_chat(
+    state: ServiceState, loaded: LoadedEngine, data: Any, headers: Mapping[str, str]
+) -> tuple[ChatCompletionRequest, _Prepared, R.ResponseMeta]:
+    """A chat request's body validated, rendered with the chat template and tokenized."""
+    req = ChatCompletionRequest.model_validate(data)
     req.check()
-    slo = req.objectives(request.headers)
+    slo = req.objectives(headers)
     check_model(req.model, loaded)
     if req.tool_mode == "auto" and state.config.tool_call_parser is None:
         raise bad_request(
@@ -122,7 +145,31 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     meta = R.ResponseMeta(
         _response_id("chatcmpl", req), int(time.time()), loaded.model_name, chat=True
     )
-    return await _serve(request, state, loaded, req, prepared, meta)
+    return req, prepared, meta
+
+
+async def respond_whole(
+    state: ServiceState,
+    loaded: LoadedEngine,
+    defaults: GenerationDefaults,
+    data: Any,
+    *,
+    chat: bool,
+) -> dict[str, Any]:
+    """One request body answered whole, as the HTTP routes answer it unstreamed, without
+    HTTP (the offline entry point). `stream` is refused: there is no one to stream to.
+    Raises what the routes raise (`APIError`, pydantic's `ValidationError`, ...)."""
+    if isinstance(data, dict) and data.get("stream"):
+        raise bad_request("stream: offline, each response is written whole; leave it unset",
+                          "stream")
+    prepare = prepare_chat if chat else prepare_completion
+    req, prepared, meta = await prepare(state, loaded, data, {})
+    streams, shape, indices = _start(loaded, req, prepared, meta, defaults)
+    try:
+        return await _whole_body(req, meta, shape, streams, indices)
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 def _response_id(prefix: str, req: SamplingRequest) -> str:
@@ -378,19 +425,30 @@ async def _serve(
     prepared: _Prepared,
     meta: R.ResponseMeta,
 ) -> web.StreamResponse:
-    choices = _choices(req, prepared, loaded, request.app[GENERATION_DEFAULTS])
-    # a client's request_id names the response; the engine's ids stay unique
-    engine_id = f"{meta.id}-{uuid.uuid4().hex[:8]}" if req.request_id else meta.id
-    streams = _submit(loaded, req, choices, engine_id, prepared.slo)
-    shape = _shape(req, prepared, loaded)
-    indices = [c.index for c in choices]
+    streams, shape, indices = _start(loaded, req, prepared, meta, request.app[GENERATION_DEFAULTS])
     try:
         if req.stream:
             return await _stream(request, state, req, meta, shape, streams, indices)
-        return await _whole(req, meta, shape, streams, indices)
+        body = await _whole_body(req, meta, shape, streams, indices)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
     finally:  # whatever happened (a client gone before the first event included), abort the rest
         for stream in streams:
             stream.close()
+
+
+def _start(
+    loaded: LoadedEngine,
+    req: CompletionRequest | ChatCompletionRequest,
+    prepared: _Prepared,
+    meta: R.ResponseMeta,
+    defaults: GenerationDefaults,
+) -> tuple[list[RequestStream], R.ResponseShape, list[int]]:
+    """Submit every choice; their streams, the response's shape and the choices' indices."""
+    choices = _choices(req, prepared, loaded, defaults)
+    # a client's request_id names the response; the engine's ids stay unique
+    engine_id = f"{meta.id}-{uuid.uuid4().hex[:8]}" if req.request_id else meta.id
+    streams = _submit(loaded, req, choices, engine_id, prepared.slo)
+    return streams, _shape(req, prepared, loaded), [c.index for c in choices]
 
 
 def _submit(
@@ -450,13 +508,13 @@ def _prompt_tokens(shape: R.ResponseShape) -> int:
     return sum(len(ids) for ids in shape.prompt_ids)
 
 
-async def _whole(
+async def _whole_body(
     req: SamplingRequest,
     meta: R.ResponseMeta,
     shape: R.ResponseShape,
     streams: list[RequestStream],
     indices: list[int],
-) -> web.Response:
+) -> dict[str, Any]:
     results = [R.ChoiceResult(index=i) for i in indices]
     cached = 0
     try:
@@ -476,8 +534,7 @@ async def _whole(
     except EngineError as exc:
         raise _generation_error(exc) from None
     usage = R.usage(_prompt_tokens(shape), sum(r.num_output_tokens for r in results), cached)
-    body = R.full_response(meta, results, usage, shape)
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    return R.full_response(meta, results, usage, shape)
 
 
 async def _stream(
