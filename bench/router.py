@@ -13,7 +13,7 @@ tokens each), read as fast as they come (the front-door benchmark's client,
 (`--repeats` rounds of direct then router) on one replica and one router, so drift in the
 machine falls on both; ratios are router / direct, from the medians over rounds.
 
-    python -m bench.router                       # 64 streams x 256 tokens, 3 rounds
+    python -m bench.router                       # 64 streams x 1,024 tokens, 5 rounds
     python -m bench.router --concurrency 8 --tokens 16 --repeats 1   # toy size
 """
 
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace, smg: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     smg = smg_executable()
     if smg is None:
