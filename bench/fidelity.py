@@ -16,6 +16,14 @@ step or execute timing is wrong, so read the ratios of that run with suspicion.
 
     python -m bench.fidelity                              # rates 0.3 and 0.6 req/s
     python -m bench.fidelity --bench-json steps.json --worker-args='--enforce-eager'
+
+With `--replicas N` (N > 1) step 3 starts N servers behind SGLang's model gateway (`smg
+launch --policy ROUTER`, the `test` extra installs it) and loads the router, and step 4 is
+`stepserve simulate cluster --replicas N --router ROUTER` with the same workload: the
+simulated cluster against the live one. The replicas share this machine's cores (each with
+`--threads` worker threads), which the calibration, taken on one worker alone, does not see.
+
+    python -m bench.fidelity --replicas 2 --router round_robin --threads 1
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from bench.router import served_model, smg_executable, start_router
 from bench.servers import ROOT, bench_module_cmd, free_port, load, step_histogram, wait_healthy
 
 KEYS = (
@@ -84,7 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         help="worker flags for calibration and server alike, one string given with '=', e.g. "
         "--worker-args='--dtype float32 --enforce-eager' (default: the server's defaults)",
     )
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="servers behind smg, simulated as a cluster (default 1: one server, "
+                    "no router)")
+    ap.add_argument("--router", default="round_robin",
+                    help="the routing policy, smg's name, which the simulator's cluster shares "
+                    "(round_robin, power_of_two, cache_aware)")
     args = ap.parse_args(argv)
+    smg = smg_executable() if args.replicas > 1 else None
+    if args.replicas > 1 and smg is None:
+        print("--replicas needs smg (SGLang's model gateway): pip install -e '.[test]'",
+              file=sys.stderr)
+        return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepserve-fidelity-"))
     step_json = Path(args.bench_json) if args.bench_json else tmp / "worker_step.json"
     if not args.bench_json:
@@ -106,28 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     sched = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", "16"]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "service.cli", "serve", "--port", str(port),
-            "--enable-debug-endpoints", "--num-threads", str(args.threads), *sched,
-            *args.worker_args,
-        ],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.DEVNULL,
-    )
+    servers = [_start_server(args, sched) for _ in range(args.replicas)]
+    router: subprocess.Popen[bytes] | None = None
     measured: dict[float, dict[str, float]] = {}
     try:
-        wait_healthy(url, server, timeout=600)
+        for url, proc in servers:
+            wait_healthy(url, proc, timeout=600)
+        url = servers[0][0]
         with urllib.request.urlopen(f"{url}/debug/kv") as r:
             num_blocks = int(json.load(r)["num_gpu_blocks"])
+        model = None
+        if smg is not None:
+            router, url = start_router(smg, [u for u, _ in servers], tmp / "smg.log", args.router)
+            model = served_model(servers[0][0])  # the router picks a worker by it
         for rate in args.request_rates:  # each rate its own seed: no prefix-cache hits across runs
             out = tmp / f"measured-{rate}.json"
-            before = step_histogram(url)
-            measured[rate] = load(url, _workload(args, rate), out, KEYS)
-            after = step_histogram(url)
+            before = _steps([u for u, _ in servers])
+            measured[rate] = load(url, _workload(args, rate), out, KEYS, model=model)
+            after = _steps([u for u, _ in servers])
             steps = after[0] - before[0]
             per_step = 1e3 / steps if steps else 0.0
             measured[rate].update(
@@ -136,29 +152,16 @@ def main(argv: list[str] | None = None) -> int:
                 mean_execute_ms=(after[2] - before[2]) * per_step,
             )
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=30)
+        for _, proc in servers:
+            proc.terminate()
+        for _, proc in servers:
+            proc.wait(timeout=60)
     runs = []
     for rate in args.request_rates:
-        out = tmp / f"simulated-{rate}.json"
-        _run(
-            [
-                "-m",
-                "service.cli",
-                "simulate",
-                "--model-shape",
-                "smollm2-135m",
-                "--hardware",
-                str(profile),
-                "--num-gpu-blocks",
-                str(num_blocks),
-                "--result-json",
-                str(out),
-                *_workload(args, rate),
-                *sched,
-            ]
-        )
-        simulated = json.loads(out.read_text())["summaries"]["continuous"]
+        simulated = _simulate(args, rate, profile, num_blocks, sched, tmp)
         rows = {k: {"measured": measured[rate].get(k), "simulated": simulated.get(k)} for k in KEYS}
         # the worker's own time per step, against the same simulated step time
         rows["mean_execute_ms"] = {
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "benchmark": "fidelity",
+                "replicas": args.replicas,
+                "router": args.router if args.replicas > 1 else None,
                 "workload": _workload(args, None),
                 "scheduler": sched,
                 "num_gpu_blocks": num_blocks,
@@ -185,6 +190,52 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _start_server(
+    args: argparse.Namespace, sched: list[str]
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+            "--enable-debug-endpoints", "--num-threads", str(args.threads), *sched,
+            *args.worker_args,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+    )
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _steps(urls: list[str]) -> tuple[float, float, float]:
+    """The servers' step histograms summed: steps, seconds of steps, seconds executing."""
+    counts = [step_histogram(u) for u in urls]
+    return (sum(c[0] for c in counts), sum(c[1] for c in counts), sum(c[2] for c in counts))
+
+
+def _simulate(
+    args: argparse.Namespace, rate: float, profile: Path, num_blocks: int, sched: list[str],
+    tmp: Path,
+) -> dict[str, float]:
+    """The simulator's summary of the same workload: one server, or the cluster."""
+    common = [
+        "--model-shape", "smollm2-135m", "--hardware", str(profile), "--num-gpu-blocks",
+        str(num_blocks), *_workload(args, rate), *sched,
+    ]
+    if args.replicas > 1:
+        done = subprocess.run(
+            [sys.executable, "-m", "service.cli", "simulate", "cluster", "--trace", "workload",
+             "--replicas", str(args.replicas), "--router", args.router, "--json", *common],
+            check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )
+        row: dict[str, float] = json.loads(done.stdout)[0]
+        return row
+    out = tmp / f"simulated-{rate}.json"
+    _run(["-m", "service.cli", "simulate", "--result-json", str(out), *common])
+    summary: dict[str, float] = json.loads(out.read_text())["summaries"]["continuous"]
+    return summary
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> list[str]:

@@ -52,29 +52,17 @@ def smg_version(smg: str) -> str:
     )
 
 
-def start_router(smg: str, worker_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`smg launch` in front of `worker_url` (round robin over one worker: routing decides
-    nothing, so what is measured is the proxy), waited until it counts the worker healthy."""
+def start_router(
+    smg: str, worker_urls: list[str], log: Path, policy: str = "round_robin"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`smg launch` in front of `worker_urls` with `policy` (round robin over one worker:
+    routing decides nothing, so what is measured is the proxy), waited until it counts
+    every worker healthy."""
     port, metrics_port = free_port(), free_port()
     cmd = [
-        smg,
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--worker-urls",
-        worker_url,
-        "--policy",
-        "round_robin",
-        "--backend",
-        "vllm",
-        "--log-level",
-        "warn",
+        smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+        "127.0.0.1", "--prometheus-port", str(metrics_port), "--worker-urls", *worker_urls,
+        "--policy", policy, "--backend", "vllm", "--log-level", "warn",
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -88,13 +76,13 @@ def start_router(smg: str, worker_url: str, log: Path) -> tuple[subprocess.Popen
         try:
             with urllib.request.urlopen(url + "/workers", timeout=5) as resp:
                 workers = json.loads(resp.read())["workers"]
-            if workers and all(w["is_healthy"] for w in workers):
+            if len(workers) == len(worker_urls) and all(w["is_healthy"] for w in workers):
                 return proc, url
         except OSError:
             pass
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError("smg did not count the replica healthy within 120 s")
+    raise RuntimeError("smg did not count every replica healthy within 120 s")
 
 
 def served_model(url: str) -> str:
@@ -113,7 +101,7 @@ def run(args: argparse.Namespace, smg: str) -> dict[str, Any]:
     try:
         wait_healthy(server.url, server.proc)
         with tempfile.TemporaryDirectory() as tmp:
-            router, router_url = start_router(smg, server.url, Path(tmp) / "smg.log")
+            router, router_url = start_router(smg, [server.url], Path(tmp) / "smg.log")
             model = served_model(server.url)  # the router picks a worker by it
             for _ in range(args.repeats):
                 for arm, url in (("direct", server.url), ("router", router_url)):
