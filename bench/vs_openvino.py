@@ -23,6 +23,10 @@ is greedy with `ignore_eos`, so both generate exactly the tokens asked for. Scen
   difference over 128 (median of three pairs);
 - `prefill`: 16 prompts of 1,000 token ids at once, one output token each: prompt tokens/s.
 
+`roofline` is this machine's measured matmul rate and copy bandwidth, and what they bound
+for the model (one stream's TPOT, prefill tokens/s); `roofline_fraction` is how near each
+engine came (1 is at the bound).
+
 Ratios are stepserve (offline, and through HTTP) over OpenVINO (tokens/s: above 1 is
 stepserve ahead; TPOT: below 1). `load_s` is each engine's time from its process's start
 to ready (stepserve's includes the kernel probe and compiling the forward).
@@ -259,6 +263,45 @@ def child(python: str, *args: str, timeout: float) -> dict[str, Any]:
     return measured
 
 
+def roofline(model: str) -> dict[str, Any]:
+    """This machine's measured rates (`bench.worker_step.machine_rates`: dense 1024-square
+    matmuls in float32 and bfloat16, a large copy) and what they bound for the model: one
+    stream's TPOT at the GGUF's tensor bytes read once a token, and prefill tokens/s at 2 x
+    the block matmuls' parameters a token (embedding and output head left out: a prefill
+    samples once a prompt) at the faster dense rate. Integer dot products may beat that
+    rate, so a prefill fraction may pass 1."""
+    import gguf
+    import torch
+
+    from bench.worker_step import machine_rates
+
+    rates = machine_rates(torch.device("cpu"))
+    tensors = gguf.GGUFReader(model).tensors
+    tensor_bytes = sum(int(t.n_bytes) for t in tensors)
+    matmul_params = sum(
+        int(t.n_elements) for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+    flops = max(rates["matmul_flops_float32"], rates["matmul_flops_bfloat16"])
+    return {
+        "rates": {k: round(v / 1e9, 1) for k, v in rates.items()},  # GFLOP/s, GB/s
+        "tensor_bytes": tensor_bytes,
+        "matmul_params": matmul_params,
+        "tpot_ms": round(tensor_bytes / rates["copy_bandwidth_bytes"] * 1e3, 3),
+        "prefill_tokens_per_s": round(flops / (2 * matmul_params), 1),
+    }
+
+
+def fractions(measured: dict[str, Any], bound: dict[str, Any]) -> dict[str, float | None]:
+    """How near an engine came to the roofline: bound / measured TPOT, measured / bound
+    prefill tokens/s."""
+    tpot = measured.get("single", {}).get("tpot_ms")
+    prefill = measured.get("prefill", {}).get("prompt_tokens_per_s")
+    return {
+        "decode": round(bound["tpot_ms"] / tpot, 3) if tpot else None,
+        "prefill": round(prefill / bound["prefill_tokens_per_s"], 3) if prefill else None,
+    }
+
+
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
     """stepserve over OpenVINO, per scenario."""
     out: dict[str, float | None] = {}
@@ -348,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             key = arm.replace("-", "_")
             result[f"ratio_{key}_over_openvino_{variant}"] = ratios(result[key], theirs)
+    bound = roofline(model)
+    result["roofline"] = bound
+    result["roofline_fraction"] = {
+        name: fractions(result[name], bound)
+        for name in [a.replace("-", "_") for a in arms] + [f"openvino_{v}" for v in args.variants]
+    }
     print(json.dumps(result, indent=2))
     return 0
 
