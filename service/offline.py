@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import threading
 import uuid
@@ -36,7 +35,7 @@ from service.cli.checks import CheckedFlags, FlagError, check_serve_flags
 from service.cli.serve import Refusal, engine_factory
 from service.cli.serve_args import build_parser
 from service.http.errors import APIError, bad_request, request_error
-from service.http.openai_routes import respond_whole
+from service.http.openai_routes import json_object, respond_whole
 from service.http.state import AppConfig, LoadedEngine, ServiceState, Status
 
 log = logging.getLogger("stepserve.offline")
@@ -65,14 +64,12 @@ class Answer:
 
 
 def read_line(line: str) -> BatchItem:
-    """A batch file's line as a request (Python's `json` reads it, so NaN and Infinity reach
-    validation and are refused there by field name)."""
+    """A batch file's line as a request, read as the server reads a request body (NaN and
+    Infinity reach validation and are refused there by field name)."""
     try:
-        data = json.loads(line)
-    except ValueError as exc:
-        return BatchItem(None, False, error=bad_request(f"line is not valid JSON: {exc}"))
-    if not isinstance(data, dict):
-        return BatchItem(None, False, error=bad_request("a line must be a JSON object"))
+        data = json_object(line.encode())
+    except APIError as exc:
+        return BatchItem(None, False, error=exc)
     if not {"custom_id", "url", "method"} & data.keys():
         return BatchItem(data, chat="messages" in data)
     custom_id = data.get("custom_id")

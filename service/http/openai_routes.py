@@ -194,7 +194,11 @@ async def read_json(request: web.Request) -> Any:
     # that says it is something else is refused before it is read.
     if "Content-Type" in request.headers and not _is_json(request.content_type):
         raise unsupported_media_type(request.content_type)
-    body = await request.read()  # raises 413 past client_max_size
+    return json_object(await request.read())  # read() raises 413 past client_max_size
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; a 400 for anything else."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
