@@ -207,14 +207,13 @@ class LLM:
     --help` lists them); `model` is a GGUF file or a model directory (default: the bundled
     SmolLM2-135M-Instruct). Requests take the OpenAI API's fields and answer with its
     response bodies. The calling process's garbage collector is left as it is, and its CPU
-    policy unless `--engine-cpu-scheduling batch` is given. Close it (or use `with`) to stop
-    its worker."""
+    policy unless `--engine-cpu-scheduling` is given. Close it (or use `with`) to stop its
+    worker."""
 
     def __init__(self, *flags: str, model: str | None = None, progress: bool = False) -> None:
         argv = [*flags, *(["--model", model] if model else [])]
-        if not any(f.split("=")[0] == "--engine-cpu-scheduling" for f in flags):
-            argv = ["--engine-cpu-scheduling", "normal", *argv]
         parser = build_parser(offline=True)
+        parser.set_defaults(engine_cpu_scheduling=None)  # the caller's policy, unless given
         try:
             args = parse_serve_args(parser, argv)
         except SystemExit:  # argparse printed what it refused

@@ -122,8 +122,10 @@ def engine_factory(
         _log_ready(info, sched_config)
         if own_process:
             freeze_startup_heap()
-        # after the worker started (it would inherit the policy, though it resets its own)
-        log.info("%s", apply_engine_cpu_scheduling(a["engine_cpu_scheduling"]))
+        # after the worker started (it would inherit the policy, though it resets its own);
+        # None: a library caller's process, whose policy stays its own
+        if a["engine_cpu_scheduling"] is not None:
+            log.info("%s", apply_engine_cpu_scheduling(a["engine_cpu_scheduling"]))
         return LoadedEngine(
             engine, name, sched_config.max_model_len, info.vocab_size, info.model_path
         )

@@ -7,8 +7,10 @@ worker refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,20 +75,33 @@ def test_a_batch_line_is_answered_in_the_batch_apis_shape() -> None:
 # -- the LLM class on the default model --------------------------------------------------------
 
 
-COLLECTOR_BEFORE: list[tuple[tuple[int, int, int], int]] = []
+CALLER_BEFORE: list[tuple[tuple[int, int, int], int, int | None]] = []
+
+
+def _policy() -> int | None:
+    return os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    COLLECTOR_BEFORE.append((gc.get_threshold(), gc.get_freeze_count()))
-    with LLM(*REFERENCE_FLAGS, "--max-num-seqs", "64") as engine:
-        yield engine
+    policy = _policy()
+    with contextlib.suppress(AttributeError, OSError):  # a caller of its own choosing: SCHED_BATCH
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    CALLER_BEFORE.append((gc.get_threshold(), gc.get_freeze_count(), _policy()))
+    try:
+        with LLM(*REFERENCE_FLAGS, "--max-num-seqs", "64") as engine:
+            yield engine
+    finally:
+        if policy is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 @pytest.mark.slow
-def test_the_callers_garbage_collector_is_left_alone(llm: LLM) -> None:
-    """The server freezes its start-up heap and tunes its collector; a library must not."""
-    assert (gc.get_threshold(), gc.get_freeze_count()) == COLLECTOR_BEFORE[0]
+def test_the_callers_process_is_left_alone(llm: LLM) -> None:
+    """The server freezes its start-up heap, tunes its collector and sets its CPU policy; a
+    library leaves the caller's as they were."""
+    assert (gc.get_threshold(), gc.get_freeze_count(), _policy()) == CALLER_BEFORE[0]
 
 
 @pytest.fixture(scope="module")
