@@ -270,16 +270,18 @@ def roofline(model: str) -> dict[str, Any]:
     the block matmuls' parameters a token (embedding and output head left out: a prefill
     samples once a prompt) at the faster dense rate. Integer dot products may beat that
     rate, so a prefill fraction may pass 1."""
-    import gguf
+    import math
+
     import torch
 
     from bench.worker_step import machine_rates
+    from common.gguf_file import GGUFFile
 
     rates = machine_rates(torch.device("cpu"))
-    tensors = gguf.GGUFReader(model).tensors
-    tensor_bytes = sum(int(t.n_bytes) for t in tensors)
+    tensors = GGUFFile(model).tensors
+    tensor_bytes = sum(t.data.nbytes for t in tensors)
     matmul_params = sum(
-        int(t.n_elements) for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
+        math.prod(t.shape) for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
     )
     flops = max(rates["matmul_flops_float32"], rates["matmul_flops_bfloat16"])
     return {

@@ -175,29 +175,16 @@ def _publish(target: Path, write: Callable[[Path], object]) -> bool:
 
 def _gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
     """The file's `tokenizer.*` metadata as Python values."""
-    from gguf import GGUFReader, GGUFValueType  # numpy only, but slow to import: load time
+    from common.gguf_file import GGUFFile
 
-    try:
-        fields = GGUFReader(str(path)).fields
-        meta = {
-            name: _field_value(field, GGUFValueType)
-            for name, field in fields.items()
-            if name.startswith("tokenizer.")
-        }
-    except Exception as exc:  # the reader fails on a damaged file in many ways
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    meta = {
+        name: value
+        for name, value in GGUFFile(path).metadata.items()
+        if name.startswith("tokenizer.")
+    }
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(f"{path}: the GGUF file holds no vocabulary (tokenizer.ggml.tokens)")
     return meta
-
-
-def _field_value(field: Any, types: Any) -> Any:
-    def one(part: Any, kind: Any) -> Any:
-        return bytes(part).decode("utf-8") if kind == types.STRING else part[0].item()
-
-    if field.types[0] == types.ARRAY:
-        return [one(field.parts[i], field.types[-1]) for i in field.data]
-    return one(field.parts[field.data[0]], field.types[0])
 
 
 @functools.cache

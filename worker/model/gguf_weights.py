@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from common.gguf_file import GGUFFile, GGUFTensor
 from common.model_files import ModelLoadError
 from worker.model.config import ModelConfig
 from worker.model.quant import QuantizedWeight, from_gguf
@@ -55,57 +55,37 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the gguf package raises bare ValueError/struct errors
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Scalar and string metadata; arrays (the token list, merges) are left out."""
-    from gguf import GGUFValueType
-
-    meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if field.types and field.types[0] != GGUFValueType.ARRAY:
-            meta[name] = field.contents()
-    return meta
-
-
-def read_gguf_config(path: Path) -> tuple[ModelConfig, Any]:
-    """The model config of a GGUF file, and the open reader for `read_gguf_tensors`."""
-    reader = _open_reader(path)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    meta = read_metadata(reader)
+def read_gguf_config(path: Path) -> tuple[ModelConfig, GGUFFile]:
+    """The model config of a GGUF file, and the open file for `read_gguf_tensors`."""
+    gguf = GGUFFile(path)
+    shapes = {t.name: t.shape for t in gguf.tensors}
+    meta = {k: v for k, v in gguf.metadata.items() if not isinstance(v, list)}
     if (
         f"{meta.get('general.architecture')}.vocab_size" not in meta
         and "token_embd.weight" in shapes
     ):
         meta[f"{meta.get('general.architecture')}.vocab_size"] = shapes["token_embd.weight"][0]
-    return ModelConfig.from_gguf_metadata(meta, set(shapes), path), reader
+    return ModelConfig.from_gguf_metadata(meta, set(shapes), path), gguf
 
 
 def read_gguf_tensors(
-    reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype, native: bool = False,
+    gguf: GGUFFile, config: ModelConfig, path: Path, dtype: torch.dtype, native: bool = False,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Every tensor the model uses under HF names: dequantized to `dtype`, or, with
     `native`, Q4_0/Q4_1/Q8_0 matrices kept as `QuantizedWeight` codes and scales."""
-    permute = reader.fields["general.architecture"].contents() == "llama"
+    permute = gguf.metadata.get("general.architecture") == "llama"
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if kind not in SUPPORTED_GGML_TYPES:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name} has GGML type {kind}, not supported "
                 f"(supported: {', '.join(SUPPORTED_GGML_TYPES)})"
             )
-        shape = tuple(int(d) for d in reversed(tensor.shape))
+        shape = tensor.shape
         heads = _rope_heads(config, name) if permute else None
         if native and kind in NATIVE_GGML_TYPES:
             quantized = from_gguf(kind, tensor.data, *shape)
@@ -129,10 +109,10 @@ def _rope_heads(config: ModelConfig, name: str) -> int | None:
     return None
 
 
-def _dequantized(tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
+def _dequantized(tensor: GGUFTensor, shape: tuple[int, ...]) -> np.ndarray:
     from gguf.quants import dequantize
 
-    array = dequantize(tensor.data, tensor.tensor_type)
+    array = dequantize(tensor.data, tensor.ggml_type)
     array = np.ascontiguousarray(array.reshape(shape), dtype=np.float32)
     if not array.flags.writeable:  # F32 tensors come back as views of the memory map
         array = array.copy()

@@ -31,8 +31,8 @@ def gguf_native_kinds(path: Path) -> set[str]:
     """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively."""
     from worker.model.gguf_weights import NATIVE_GGML_TYPES, hf_name
 
-    _, reader = read_gguf_config(path)
-    kinds = {t.tensor_type.name for t in reader.tensors if hf_name(t.name) is not None}
+    _, gguf = read_gguf_config(path)
+    kinds = {t.kind for t in gguf.tensors if hf_name(t.name) is not None}
     return {"int8" if kind == "Q8_0" else "int4" for kind in kinds & set(NATIVE_GGML_TYPES)}
 
 
@@ -47,8 +47,8 @@ def load_weights(
         config = _hf_config(path)
         weights = dict(_read_safetensors(path, dtype))
     elif path.suffix == ".gguf":
-        config, reader = read_gguf_config(path)
-        weights = read_gguf_tensors(reader, config, path, dtype, native)
+        config, gguf = read_gguf_config(path)
+        weights = read_gguf_tensors(gguf, config, path, dtype, native)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a directory with config.json")
     return config, validate_weights(config, weights, path)
