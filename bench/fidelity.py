@@ -199,7 +199,8 @@ def _start_server(
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "service.cli", "serve", "--port", str(port),
-            "--enable-debug-endpoints", "--num-threads", str(args.threads), *sched,
+            "--enable-debug-endpoints", "--num-threads", str(args.threads), "--compile-wait",
+            *sched,
             *args.worker_args,
         ],
         cwd=ROOT,

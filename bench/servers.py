@@ -100,10 +100,11 @@ def llama_server_binary(given: str | None) -> Path | None:
 
 
 def stepserve_cmd(port: int, threads: int, flags: list[str]) -> list[str]:
-    """`stepserve serve` on `port` with `threads` worker threads and extra `flags`."""
+    """`stepserve serve` on `port` with `threads` worker threads and extra `flags`; healthy
+    once its compiled forward is in use (a benchmark measures the steady state)."""
     return [
         sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--num-threads",
-        str(threads), *flags,
+        str(threads), "--compile-wait", *flags,
     ]
 
 

@@ -47,7 +47,7 @@ def child(threads: int, eager: bool, helper: str) -> dict[str, Any]:
     from worker.process.cpu_scheduling import apply_helper_cpu_scheduling, watchdog_stats
 
     runner = ModelRunner(WorkerConfig(device="cpu", max_model_len=1024, kv_cache_memory=1 << 28,
-                                      num_threads=threads, enforce_eager=eager))
+                                      num_threads=threads, enforce_eager=eager, compile_wait=True))
     bench = Bench(runner)
     apply_helper_cpu_scheduling(helper)
     out: dict[str, Any] = {}

@@ -90,7 +90,9 @@ class _Stepserve(_Engine):
     def __init__(self, model: str, flags: list[str]) -> None:
         from service.offline import LLM
 
-        self.llm = LLM(*flags, "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", model=model)
+        self.llm = LLM(
+            *flags, "--compile-wait", "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", model=model
+        )
 
     def generate(self, batch: list[tuple[list[int], int]]) -> list[int]:
         bodies = [

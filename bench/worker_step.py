@@ -271,6 +271,7 @@ def build_runner(
         kv_cache_memory=args.kv_cache_gib << 30,
         num_threads=args.threads,
         enforce_eager=args.enforce_eager,
+        compile_wait=True,
         gguf_activations=gguf_activations,
         kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype,
     )

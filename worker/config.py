@@ -38,6 +38,10 @@ class WorkerConfigError(ValueError):
         self.field = field
 
 
+# The worker's forward note while it runs eagerly and builds the compiled forward beside it
+BUILDING_NOTE = "eager while the compiled forward is built"
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything the worker process needs to load a model and size its KV cache."""
@@ -48,7 +52,10 @@ class WorkerConfig:
     # gguf: auto | int8 | float32 activations in the low-bit products (auto: int8 where the CPU
     # has AVX512-VNNI; see worker.model.linear.GGUFLinear)
     gguf_activations: str = "auto"
-    enforce_eager: bool = False  # True: no torch.compile
+    enforce_eager: bool = False  # True: no compiled forward
+    # True: build the compiled forward before reporting ready; False: where no build is
+    # cached, run the eager forward at once and swap the compiled one in when it is built
+    compile_wait: bool = False
     # True: every chunk attends through the C++ per-token kernel (never the chunk kernel, which
     # sums a long chunk in another order), so with the GGUF kernel a request's logits are
     # bitwise the same alone, batched, chunked or recomputed

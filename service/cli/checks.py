@@ -89,6 +89,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         quantization=a["quantization"],
         gguf_activations=a["gguf_activations"],
         enforce_eager=a["enforce_eager"],
+        compile_wait=a["compile_wait"],
         batch_invariant=a["batch_invariant"],
         device=a["device"],
         block_size=a["block_size"],

@@ -118,6 +118,7 @@ def engine_factory(
             metrics=metrics,
             step_time=StepCostFeed(step_model, sched_config.step_time_limit_s, metrics),
             grammars=_grammars(info, tokenizer, worker, metrics),
+            forward=info.extra.get("forward", "eager"),
         )
         _log_ready(info, sched_config)
         if own_process:

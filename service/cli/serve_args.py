@@ -151,8 +151,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="activations in the gguf products (auto: int8 where the CPU has "
                    "AVX512-VNNI, else float32; docs/cpu.md)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile (by default the forward is compiled at start-up and "
-                   "kept where it measures faster)")
+                   help="never compile the forward (by default: compiled ahead of time, cached "
+                   "on disk, kept where faster; docs/cpu.md)")
+    g.add_argument("--compile-wait", action="store_true",
+                   help="build the compiled forward before /health turns 200 (by default the "
+                   "eager one serves until it is built)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="logits bitwise the same alone, batched or chunked (the per-token "
                    "attention kernel for every chunk; GGUF on CPU; docs/cpu.md)")

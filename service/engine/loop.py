@@ -91,10 +91,15 @@ class AsyncEngine:
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         step_time: StepCostFeed | None = None,
         grammars: ServiceGrammars | None = None,
+        forward: str = "eager",
     ) -> None:
         """`step_time` feeds every step's shape and measured time into the step-cost model
         the scheduler was given (and exports predicted against measured); `grammars`
-        compiles structured-output grammars (None: the worker cannot mask by one)."""
+        compiles structured-output grammars (None: the worker cannot mask by one);
+        `forward` is the worker's account of the forward it runs (its start-up note)."""
+        self.forward = forward
+        if hasattr(worker, "on_forward_changed"):
+            worker.on_forward_changed = self._forward_changed
         self.scheduler = scheduler
         self.worker = worker
         self.tokenizer = tokenizer
@@ -416,6 +421,12 @@ class AsyncEngine:
         self._last_output_time = now
         if not self.output:
             self._idle.set()
+
+    def _forward_changed(self, note: str) -> None:
+        self.forward = note
+        log.info("worker forward: %s", note)
+        if self.metrics is not None:
+            self.metrics.set_compiled(note.startswith("compiled"))
 
     async def _wait_for_work(self) -> None:
         """Nothing in flight: sleep until a request or abort arrives, checking the worker."""

@@ -290,18 +290,22 @@ class ServiceMetrics:
         batch_invariant: bool = False,
         kv_cache_dtype: str = "",
     ) -> None:
-        self.worker.info(
-            {
-                "device": device,
-                "dtype": dtype,
-                "kv_cache_dtype": kv_cache_dtype or dtype,
-                "quantization": quantization,
-                "compiled": str(compiled).lower(),
-                "attention_backend": attention_backend,
-                "num_threads": str(num_threads),
-                "batch_invariant": str(batch_invariant).lower(),
-            }
-        )
+        self._worker_labels = {
+            "device": device,
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype or dtype,
+            "quantization": quantization,
+            "compiled": str(compiled).lower(),
+            "attention_backend": attention_backend,
+            "num_threads": str(num_threads),
+            "batch_invariant": str(batch_invariant).lower(),
+        }
+        self.worker.info(self._worker_labels)
+
+    def set_compiled(self, compiled: bool) -> None:
+        """The worker swapped its forward (a compiled one built in the background)."""
+        self._worker_labels["compiled"] = str(compiled).lower()
+        self.worker.info(self._worker_labels)
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         """Refresh gauges and cumulative counters from a scheduler snapshot."""

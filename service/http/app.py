@@ -31,6 +31,7 @@ from service.http.dashboard_routes import add_dashboard
 from service.http.errors import APIError, Handler, error_middleware
 from service.http.protocol import GENERATION_DEFAULTS, NO_DEFAULTS, GenerationDefaults
 from service.http.state import STATE, AppConfig, EngineFactory, ServiceState, Status
+from worker.config import BUILDING_NOTE
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +147,15 @@ async def _start_engine(state: ServiceState, factory: EngineFactory) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when serving; 503 while starting, draining or failed."""
+    """200 when serving; 503 while starting, draining or failed. Once the engine exists it
+    says which forward runs ("compiled" or "eager") and whether a compiled one is being
+    built to replace the eager one."""
     state = request.app[STATE]
     body: dict[str, object] = {"status": state.status.value}
+    if state.loaded is not None:
+        note = state.loaded.engine.forward
+        body["forward"] = "compiled" if note.startswith("compiled") else "eager"
+        body["compiling"] = note == BUILDING_NOTE
     if state.error:
         body["error"] = state.error
     return _json(body, 200 if state.status is Status.READY else 503)

@@ -225,16 +225,18 @@ class LiveServer:
         return self.process.wait(timeout)
 
 
-def start_live_server(tmp: Path, *args: str, timeout: float = 240.0, compiled: bool = False) -> LiveServer:
-    """Start `stepserve serve` on a free port and wait for /health 200. The forward runs
-    eagerly unless `compiled` (compiling takes a minute of the suite's two cores; the
-    compiled path has its own end-to-end test)."""
+def start_live_server(tmp: Path, *args: str, timeout: float = 240.0, compiled: bool = False,
+                      env: dict[str, str] | None = None) -> LiveServer:
+    """Start `stepserve serve` on a free port (its environment updated by `env`) and wait
+    for /health 200. The forward runs eagerly unless `compiled` (building it takes a minute
+    or two of the suite's two cores; the compiled path has its own end-to-end test)."""
     port = free_port()
     log_path = tmp / f"serve-{port}.log"
     eager = () if compiled else ("--enforce-eager",)
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints", *eager, *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = LiveServer(proc, port, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -255,8 +257,8 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
     """`start_server(tmp_path, *flags)`; any server still running at the end is killed."""
     started: list[LiveServer] = []
 
-    def start(tmp: Path, *args: str, compiled: bool = False) -> LiveServer:
-        server = start_live_server(tmp, *args, compiled=compiled)
+    def start(tmp: Path, *args: str, compiled: bool = False, env: dict[str, str] | None = None) -> LiveServer:
+        server = start_live_server(tmp, *args, compiled=compiled, env=env)
         started.append(server)
         return server
 
@@ -269,8 +271,19 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
 
 @pytest.fixture(scope="module")
 def default_live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """`stepserve serve` on its defaults, compiled forward included (one per test module)."""
-    server = start_live_server(tmp_path_factory.mktemp("defaults"), "--max-num-seqs", "16", timeout=600.0, compiled=True)
+    """`stepserve serve` on its defaults, compiled forward included (one per test module),
+    with a cache of compiled forwards of its own: it starts eagerly, builds the compiled
+    forward in the background and swaps it in; returned once that happened or failed, with
+    `first_health` (its first /health 200 body) and `aot_cache` set."""
+    tmp = tmp_path_factory.mktemp("defaults")
+    aot_cache = tmp / "aot"
+    server = start_live_server(tmp, "--max-num-seqs", "16", timeout=600.0, compiled=True,
+                               env={"STEPSERVE_AOT_CACHE": str(aot_cache)})
+    server.first_health = server.get_json("/health")[1]  # type: ignore[attr-defined]
+    server.aot_cache = aot_cache  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 900
+    while server.get_json("/health")[1].get("compiling") and time.monotonic() < deadline:
+        time.sleep(1)
     yield server
     code = server.stop()
     assert code == 0, server.log()

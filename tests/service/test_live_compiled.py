@@ -1,7 +1,8 @@
 """`stepserve serve` on its defaults (the probe's weight form, the compiled forward, the
-C++ attention where it builds) through the official `openai` client: greedy outputs equal
-the reference mode's, streams and concurrent requests complete, and /metrics says how the
-worker runs."""
+C++ attention where it builds) through the official `openai` client: healthy at once on the
+eager forward while the compiled one is built, which is then swapped in and loaded at once by
+the next start; greedy outputs equal the reference mode's, streams and concurrent requests
+complete, and /metrics and /health say how the worker runs."""
 
 from __future__ import annotations
 
@@ -36,12 +37,33 @@ def test_defaults_run_compiled_and_say_so(default_live_server: Any) -> None:
     assert labels["dtype"] == "float32"
     # the C++ attention reads a float16 cache by default (half the bytes of a long decode)
     assert labels["kv_cache_dtype"] == ("float16" if labels["attention_backend"] == "cpu" else "float32")
-    log = default_live_server.log()
+    log = default_live_server.log_path.read_text()  # whole: /health polls fill its tail
     assert "worker ready" in log
-    if labels["compiled"] != "true":  # kept eager only when the start-up timing says so, and logged
-        assert "eager" in log
-        pytest.skip("the compiled forward measured slower than eager on this machine")
-    assert "compiled" in log
+    # no cached build: healthy at once on the eager forward, the compiled one built beside it
+    assert default_live_server.first_health == {"status": "ready", "forward": "eager", "compiling": True}
+    assert "forward: eager while the compiled forward is built" in log
+    assert default_live_server.get_json("/health")[1] == {"status": "ready", "forward": "compiled", "compiling": False}, log
+    assert labels["compiled"] == "true"
+    assert "worker forward: compiled (built in" in log
+
+
+def test_a_restart_loads_the_compiled_forward_at_once(default_live_server: Any, start_server: Any, tmp_path: Any) -> None:
+    """The build is kept on disk: the next server (same settings, same cache) serves the
+    compiled forward from its first /health 200, and the packages stay as they were."""
+    before = {p: p.stat().st_mtime_ns for p in default_live_server.aot_cache.rglob("*.pt2")}
+    assert before, "the first server kept no build"
+    server = start_server(tmp_path, "--max-num-seqs", "16", compiled=True,
+                          env={"STEPSERVE_AOT_CACHE": str(default_live_server.aot_cache)})
+    try:
+        health = server.get_json("/health")[1]
+        assert health == {"status": "ready", "forward": "compiled", "compiling": False}, server.log()
+        log = server.log_path.read_text()
+        assert "compiled (1-token forward" in log and "loaded from" in log
+        reply = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert reply.choices[0].text
+    finally:
+        assert server.stop() == 0, server.log()
+    assert {p: p.stat().st_mtime_ns for p in default_live_server.aot_cache.rglob("*.pt2")} == before
 
 
 def test_greedy_outputs_equal_the_reference_mode(default_live_server: Any, live_server: Any) -> None:

@@ -39,7 +39,7 @@ def _run(forward: compiled_forward.Forward, tokens: int) -> torch.Tensor:
 def test_two_models_of_one_class_keep_their_own_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     # the timing that decides whether to keep the compiled forward is not under test: say faster
     timings = itertools.cycle([2.0, 1.0])  # eager, then compiled
-    monkeypatch.setattr(compiled_forward, "_one_token_ms", lambda fn, warm_up: next(timings))
+    monkeypatch.setattr(compiled_forward, "one_token_ms", lambda fn, warm_up: next(timings))
     models = [Tiny(1), Tiny(2)]
     results = []
     try:

@@ -40,7 +40,8 @@ def fast_runner() -> Any:
     """The defaults, as `stepserve serve` builds them (probe, quantization, compiled forward)."""
     from worker.execution.model_runner import ModelRunner
 
-    return ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=64 << 20, max_model_len=1024, num_threads=2))
+    return ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=64 << 20, max_model_len=1024, num_threads=2,
+                                    compile_wait=True))
 
 
 def _logits(runner: Any, tokens: list[int], start: int, n: int, forward: Any = None) -> torch.Tensor:

@@ -57,3 +57,22 @@ def test_runner_sizes_its_cache_by_the_element_type(kv: str, elem: int) -> None:
     assert info.kv_bytes_per_token == 2 * 30 * 3 * 64 * elem
     assert runner.kv_cache.device_cache.dtype == (torch.float16 if elem == 2 else torch.float32)
     assert info.num_gpu_blocks == (32 << 20) // (info.kv_bytes_per_token * 16)
+
+
+@pytest.mark.parametrize(("memory", "says"), [
+    (1, "holds no KV block"),
+    (1 << 62, "more than this machine's"),  # a plain number is GiB: 188743680 was 2e17 bytes
+])
+def test_a_kv_cache_size_this_machine_cannot_hold_is_refused_by_name(
+    tmp_path: Any, memory: int, says: str
+) -> None:
+    from tiny_models import make_tiny_hf_model
+    from worker_modes import REFERENCE
+
+    from worker.config import WorkerConfigError
+    from worker.execution.model_runner import ModelRunner
+
+    make_tiny_hf_model().save_pretrained(tmp_path / "llama")
+    with pytest.raises(WorkerConfigError, match=says) as refused:
+        ModelRunner(WorkerConfig(model=str(tmp_path / "llama"), kv_cache_memory=memory, **REFERENCE))
+    assert refused.value.field == "kv_cache_memory"

@@ -8,10 +8,16 @@ sampler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import re
+import shutil
+import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +28,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling import SamplingParams
 from worker.attention.registry import make_attention_backend
 from worker.attention.step import StepAttention
-from worker.config import WorkerConfig, WorkerConfigError, WorkerInfo
+from worker.config import BUILDING_NOTE, WorkerConfig, WorkerConfigError, WorkerInfo
 from worker.execution.copy_probe import measure_copy_bandwidth
 from worker.execution.grammar_masks import GrammarMasks
 from worker.execution.input_batch import InputBatch, RequestState, StepInputs, SwapPairs
@@ -30,7 +36,8 @@ from worker.execution.kv_cache import KVCache, bytes_per_block, num_cpu_blocks, 
 from worker.execution.logprobs import token_logprobs
 from worker.execution.sampler import Sampler, SamplingMetadata
 from worker.execution.step_executor import PlanRunner, StepExecutor
-from worker.model.compiled_forward import Forward, compile_forward
+from worker.model.aot_forward import AotForward, BackgroundBuild, token_ranges
+from worker.model.compiled_forward import Forward, compile_forward, compiler_missing, one_token_ms
 from worker.model.config import ModelConfig
 from worker.model.kernel_probe import KernelChoice, choose_kernels
 from worker.model.linear import int8_supported
@@ -158,6 +165,7 @@ class ModelRunner(PlanRunner):
         self.executor = StepExecutor(self.batch, self)
         self.sampler = sampler if sampler is not None else Sampler(seed=config.seed)
         self.grammars = GrammarMasks(self._grammar_compiler)
+        self._building: tuple[BackgroundBuild, AotForward] | None = None
         self.forward, self.compiled, self.compile_note = self._forward()
         log.info("forward: %s", self.compile_note)
         self.info = self._info(path)
@@ -185,8 +193,8 @@ class ModelRunner(PlanRunner):
                               gguf_kernels=available()[0])
 
     def _forward(self) -> tuple[Forward, bool, str]:
-        """The forward the steps run: compiled where that measures faster (see
-        `worker.model.compiled_forward`), else eager."""
+        """The forward the steps start with: compiled where that measures faster (see
+        `worker.model.aot_forward`), else eager, maybe while the compiled one is built."""
         if self.config.enforce_eager:
             return self.model.forward, False, "eager (--enforce-eager)"
         if self.device.type != "cpu":
@@ -195,7 +203,73 @@ class ModelRunner(PlanRunner):
                 False,
                 "eager (the compiled forward is built for the CPU only)",
             )
+        missing = compiler_missing()
+        if missing is not None:
+            return self.model.forward, False, f"eager: {missing}"
         cut = self.kernels.dense_above
+        if getattr(self.attention.backend, "op", None) is None:
+            return self._jit_forward(cut)
+        top = max(self.config.max_num_batched_tokens, 2)
+        blocks = self.kv_cache.num_blocks  # the start-up check runs each range's first width
+        ranges = [
+            r for r in token_ranges(top, cut) if cdiv(r[0], self.config.block_size) <= blocks
+        ]
+        aot = AotForward(self.model, self.attention.compiled, ranges)
+        if not aot.built():
+            if not self.config.compile_wait:
+                self._building = (BackgroundBuild(aot, self._settings()), aot)
+                return self.model.forward, False, BUILDING_NOTE
+            try:
+                seconds = aot.build()
+            except Exception as exc:  # an export or compiler failure: run eagerly, say why
+                log.exception("building the compiled forward failed; running eagerly")
+                return self.model.forward, False, f"eager: compilation failed ({exc!s:.200})"
+            return self._keep_if_faster(aot.load(), f"compiled in {seconds:.0f} s", ranges)
+        start = time.perf_counter()
+        try:
+            forward = aot.load()
+        except Exception as exc:  # a damaged or stale package: rebuild it next time
+            log.exception("loading the compiled forward failed; running eagerly")
+            shutil.rmtree(aot.directory, ignore_errors=True)
+            return self.model.forward, False, f"eager: loading failed ({exc!s:.200})"
+        loaded = f"loaded from {aot.directory} in {time.perf_counter() - start:.2f} s"
+        return self._keep_if_faster(forward, loaded, ranges)
+
+    def _keep_if_faster(
+        self, forward: Forward, how: str, ranges: list[tuple[int, int]]
+    ) -> tuple[Forward, bool, str]:
+        """`forward` if it agrees with the eager one at each range's first width and is faster
+        at one token; else the eager forward, and why."""
+        with torch.inference_mode():
+            for lo, _ in ranges:
+                want = self._hidden(self.model.forward, lo)
+                got = self._hidden(forward, lo)
+                error = float((got - want).norm() / want.norm().clamp_min(1e-12))
+                if not error < 1e-2:
+                    return self.model.forward, False, (
+                        f"eager: the compiled forward disagrees at {lo} tokens "
+                        f"(relative error {error:.2g}; {how})"
+                    )
+            eager_ms, compiled_ms = (
+                one_token_ms(fn, self._dummy_forward) for fn in (self.model.forward, forward)
+            )
+        timing = f"1-token forward {compiled_ms:.2f} ms compiled vs {eager_ms:.2f} ms eager; {how}"
+        if compiled_ms >= eager_ms:
+            return self.model.forward, False, f"eager: the compiled one is not faster ({timing})"
+        return forward, True, f"compiled ({timing})"
+
+    def _hidden(self, forward: Forward, tokens: int) -> torch.Tensor:
+        out: list[torch.Tensor] = []
+
+        def keep(ids: torch.Tensor, positions: torch.Tensor, attention: Any) -> torch.Tensor:
+            out.append(forward(ids, positions, attention).clone())
+            return out[-1]
+
+        self._dummy_forward(keep, tokens)
+        return out[0]
+
+    def _jit_forward(self, cut: int | None) -> tuple[Forward, bool, str]:
+        """torch.compile, for attention through the Python op (a package cannot call it)."""
         widths = [w for w in (1, 2, None if cut is None else cut + 1) if w is not None]
         widths = [w for w in widths if cdiv(w, self.config.block_size) <= self.kv_cache.num_blocks]
         with torch.inference_mode():
@@ -203,6 +277,44 @@ class ModelRunner(PlanRunner):
                 self.model.forward, self.attention.compiled, self._dummy_forward, widths
             )
         return result.forward, result.compiled, result.note
+
+    def _settings(self) -> dict[str, object]:
+        """This worker's settings with the start-up probe's choices fixed, so that a child
+        process builds the same module."""
+        return {
+            **dataclasses.asdict(self.config),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.kernels.quantization,
+            "gguf_activations": self.gguf_activations if self.gguf_activations != "none"
+            else "auto",
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+        }
+
+    def forward_pending(self) -> bool:
+        """A compiled forward is being built in the background (`poll_forward` swaps it in)."""
+        return self._building is not None
+
+    def poll_forward(self) -> str | None:
+        """Between steps (the worker process calls it): swap in the forward a background
+        build finished, and say what runs now; None while it is still building."""
+        if self._building is None:
+            return None
+        build, aot = self._building
+        if not build.done():
+            return None
+        self._building = None
+        if build.error is None:
+            try:
+                self.forward, self.compiled = aot.load(), True
+                self.compile_note = f"compiled (built in {build.seconds:.0f} s, swapped in)"
+            except Exception as exc:  # noqa: BLE001  a package that does not load: stay eager
+                build.error = f"loading failed ({type(exc).__name__}: {exc!s:.200})"
+        if build.error is not None:
+            self.compile_note = f"eager: building the compiled forward failed ({build.error})"
+        log.info("forward: %s", self.compile_note)
+        extra = {**self.info.extra, "forward": self.compile_note}
+        self.info = replace(self.info, compiled=self.compiled, extra=extra)
+        return self.compile_note
 
     def _dummy_forward(self, forward: Forward, tokens: int) -> None:
         """One forward of `tokens` placeholder tokens over the first KV blocks (free at
@@ -258,6 +370,13 @@ class ModelRunner(PlanRunner):
             )
         else:
             blocks = num_cpu_blocks(self.config.kv_cache_memory, block_bytes)
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if self.config.kv_cache_memory > memory:
+                raise WorkerConfigError(
+                    "kv_cache_memory", f"kv_cache_memory asks for {self.config.kv_cache_memory} "
+                    f"bytes, more than this machine's {memory / (1 << 30):.1f} GiB of memory "
+                    "(a plain number means GiB)"
+                )
             if blocks < 1:
                 raise WorkerConfigError(
                     "kv_cache_memory", f"kv_cache_memory holds no KV block of "

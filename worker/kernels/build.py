@@ -1,4 +1,5 @@
-"""stepserve's C++ CPU kernels (`csrc/`): built on the machine at first use, loaded once.
+"""stepserve's C++ CPU kernels (`csrc/`): built on the machine once (by `make install`, else at
+first use), loaded once per process.
 
     csrc/paged_attention.cpp  attention reading the paged KV cache in place
                               (worker.attention.cpu_backend)
@@ -100,3 +101,11 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], n)
 
 
+
+
+if __name__ == "__main__":  # `python -m worker.kernels.build`: build ahead (make install does)
+    import sys
+
+    ok, why = available()
+    print("stepserve CPU kernels: " + ("built" if ok else f"not built ({why})"))
+    sys.exit(0)

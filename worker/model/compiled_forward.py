@@ -92,7 +92,7 @@ def compile_forward(
     # steps except the token count (the weights are frozen, the attention op is fixed), so
     # dynamo need only evaluate the guards that tell its graphs apart: 0.4 ms a step saved.
     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    eager_ms, compiled_ms = (_one_token_ms(fn, warm_up) for fn in (eager, compiled))
+    eager_ms, compiled_ms = (one_token_ms(fn, warm_up) for fn in (eager, compiled))
     timing = (
         f"1-token forward {compiled_ms:.2f} ms compiled vs {eager_ms:.2f} ms eager; "
         f"compiled in {seconds:.0f} s"
@@ -105,7 +105,7 @@ def compile_forward(
     return CompileResult(compiled, True, f"compiled ({timing})")
 
 
-def _one_token_ms(forward: Forward, warm_up: WarmUp, repeat: int = 7) -> float:
+def one_token_ms(forward: Forward, warm_up: WarmUp, repeat: int = 7) -> float:
     warm_up(forward, 1)
     times = []
     for _ in range(repeat):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -20,6 +21,7 @@ from worker.config import WorkerConfig, WorkerInfo
 from worker.process.main import DEFAULT_RUNNER_FACTORY, worker_main
 from worker.process.messages import (
     ExecuteStep,
+    ForwardChanged,
     Message,
     PrepareGrammar,
     Ready,
@@ -73,6 +75,9 @@ class WorkerClient:
         self._dead = False
         self._closed = False
         self._in_flight = 0
+        self.forward: str | None = None  # the worker's latest ForwardChanged note, if any
+        # called with that note as it arrives (the engine sets it)
+        self.on_forward_changed: Callable[[str], None] | None = None
 
     @property
     def info(self) -> WorkerInfo:
@@ -210,7 +215,13 @@ class WorkerClient:
             return
         try:
             while conn.poll():
-                self._inbox.put_nowait(decode(conn.recv_bytes()))
+                message = decode(conn.recv_bytes())
+                if isinstance(message, ForwardChanged):
+                    self.forward = message.note
+                    if self.on_forward_changed is not None:
+                        self.on_forward_changed(message.note)
+                    continue
+                self._inbox.put_nowait(message)
         except (EOFError, OSError):
             self._mark_dead()
         except Exception:  # an undecodable message: treat the worker as lost, never hang

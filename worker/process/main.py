@@ -39,6 +39,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.config import WorkerConfig, WorkerInfo, check_device, refused_field
 from worker.process.messages import (
     ExecuteStep,
+    ForwardChanged,
     Message,
     PrepareGrammar,
     Ready,
@@ -52,6 +53,7 @@ from worker.process.messages import (
 DEFAULT_RUNNER_FACTORY = "worker.execution.model_runner:ModelRunner"
 INSTANT_RUNNER_FACTORY = "worker.execution.instant_runner:InstantRunner"
 _PARENT_CHECK_INTERVAL = 0.5  # seconds between checks that the parent is still alive
+_FORWARD_POLL_S = 0.5  # seconds between looks for a finished background build while idle
 
 logger = logging.getLogger("stepserve.worker")
 
@@ -209,8 +211,18 @@ def _build_runner(conn: Connection, config: WorkerConfig, spec: str) -> Runner |
 
 
 def _serve(conn: Connection, runner: Runner, inbox: queue.SimpleQueue[Message]) -> None:
+    pending: Callable[[], bool] = getattr(runner, "forward_pending", lambda: False)
     while True:
-        message = inbox.get()
+        try:  # while a compiled forward is being built, look for it between messages
+            message: Message | None = inbox.get(timeout=_FORWARD_POLL_S if pending() else None)
+        except queue.Empty:
+            message = None
+        if pending():
+            note = runner.poll_forward()  # type: ignore[attr-defined]
+            if note is not None and not _send(conn, ForwardChanged(note)):
+                return
+        if message is None:
+            continue
         if isinstance(message, Shutdown):
             return
         if not isinstance(message, ExecuteStep):

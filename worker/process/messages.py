@@ -10,6 +10,8 @@ serializer (pickle, over a multiprocessing pipe). Conversation::
       │ ───────── ExecuteStep(plan) ────▶ │   up to two plans in flight
       │ ◀──────── StepResult(output) ──── │   outputs in plan order
       │ ───────── PrepareGrammar(text) ─▶ │   compiled at once, beside any step; no answer
+      │ ◀──────── ForwardChanged(note) ── │   between steps, unasked: a compiled forward
+      │                                   │   built in the background now runs (or failed)
       │ ───────── Shutdown() ───────────▶ │   exits cleanly
 """
 
@@ -61,12 +63,24 @@ class PrepareGrammar:
 
 
 @dataclass(frozen=True)
+class ForwardChanged:
+    """Worker -> parent, between two step results: the forward the steps run changed (the
+    compiled one, built in the background, swapped in; or its build failed)."""
+
+    note: str  # what runs now, as the worker's start-up log says it
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Parent -> worker: finish the current step, then exit."""
 
 
-Message = Ready | StartupFailed | ExecuteStep | StepResult | PrepareGrammar | Shutdown
-_MESSAGE_TYPES = (Ready, StartupFailed, ExecuteStep, StepResult, PrepareGrammar, Shutdown)
+Message = (
+    Ready | StartupFailed | ExecuteStep | StepResult | PrepareGrammar | ForwardChanged | Shutdown
+)
+_MESSAGE_TYPES = (
+    Ready, StartupFailed, ExecuteStep, StepResult, PrepareGrammar, ForwardChanged, Shutdown
+)
 
 
 def encode(message: Message) -> bytes:
