@@ -221,10 +221,11 @@ class ModelRunner(PlanRunner):
                 return self.model.forward, False, BUILDING_NOTE
             try:
                 seconds = aot.build()
+                built = aot.load()
             except Exception as exc:  # an export or compiler failure: run eagerly, say why
                 log.exception("building the compiled forward failed; running eagerly")
                 return self.model.forward, False, f"eager: compilation failed ({exc!s:.200})"
-            return self._keep_if_faster(aot.load(), f"compiled in {seconds:.0f} s", ranges)
+            return self._keep_if_faster(built, f"compiled in {seconds:.0f} s", ranges)
         start = time.perf_counter()
         try:
             forward = aot.load()

@@ -45,8 +45,6 @@ from torch import nn
 
 from worker.model.compiled_forward import Forward
 
-log = logging.getLogger("stepserve.worker")
-
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 Range = tuple[int, int]  # token counts, both ends included
 _FORMAT = 1  # bumped when the cache's layout changes
@@ -237,7 +235,8 @@ class BackgroundBuild:
         self._done = threading.Event()
         self.error: str | None = None
         self.seconds = 0.0
-        job = {"settings": settings, "ranges": list(aot.spec.ranges), "key": aot.spec.key}
+        job = {"settings": settings, "ranges": list(aot.spec.ranges), "key": aot.spec.key,
+               "parent": os.getpid()}
         self._cmd = [sys.executable, "-m", "worker.model.aot_forward", json.dumps(job)]
         self._thread = threading.Thread(target=self._run, name="aot-build", daemon=True)
         self._thread.start()
@@ -247,7 +246,7 @@ class BackgroundBuild:
         try:
             child = subprocess.run(
                 self._cmd, capture_output=True, text=True, check=False,
-                preexec_fn=_child_setup, cwd=Path(__file__).resolve().parents[2],
+                cwd=Path(__file__).resolve().parents[2],
             )
             if child.returncode != 0:
                 self.error = f"the build process exited with {child.returncode}: " + (
@@ -263,24 +262,27 @@ class BackgroundBuild:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
 
-
-def _child_setup() -> None:
-    """In the build process before it runs: its niceness (`STEPSERVE_BUILD_NICE`, default 0),
-    and (Linux) SIGTERM when the worker that started it exits, so no build outlives it.
+def _child_setup(parent: int) -> None:
+    """In the build process, first: its niceness (`STEPSERVE_BUILD_NICE`, default 0), and
+    (Linux) SIGTERM when the worker that started it exits, so no build outlives it. Done
+    here rather than between fork and exec: the worker has threads, and a forked child of a
+    threaded process may call only async-signal-safe functions before exec.
 
     Measured under a constant stream on 2 cores: at nice 0 the build took 112 s while a token
     took 42 ms, at nice 5 367 s at 16 ms, at nice 10 946 s at 15 ms (6 ms once swapped in).
     Sooner is worth more: a stream got twice the tokens over the slower build's window at 0."""
     os.nice(int(os.environ.get("STEPSERVE_BUILD_NICE", "0")))
+    # SIGTERM (the worker gone) unwinds, so the unfinished build's directory is removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # the worker exited before the line above took effect
+        sys.exit(128 + signal.SIGTERM)
 
 
 def _build_in_child(job: dict[str, Any]) -> int:
@@ -304,6 +306,6 @@ def _build_in_child(job: dict[str, Any]) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    # SIGTERM (the worker gone) unwinds, so the unfinished build's directory is removed
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    sys.exit(_build_in_child(json.loads(sys.argv[1])))
+    _job = json.loads(sys.argv[1])
+    _child_setup(int(_job["parent"]))
+    sys.exit(_build_in_child(_job))
