@@ -22,6 +22,7 @@ HELPER_CPU_SCHEDULING = ("normal", "idle", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 GGUF_ACTIVATIONS = ("auto", "int8", "float32")
+GGUF_WIDE_STEPS = ("auto", "blocks")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash_attn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -52,6 +53,10 @@ class WorkerConfig:
     # gguf: auto | int8 | float32 activations in the low-bit products (auto: int8 where the CPU
     # has AVX512-VNNI; see worker.model.linear.GGUFLinear)
     gguf_activations: str = "auto"
+    # gguf: steps of many tokens on a bf16 copy of the weights where the start-up probe
+    # measures it faster (auto), above N tokens ("N"), or on the blocks at every width
+    # (blocks: less memory, the blocks' float32 accuracy; see worker.model.kernel_probe)
+    gguf_wide_steps: str = "auto"
     enforce_eager: bool = False  # True: no compiled forward
     # True: build the compiled forward before reporting ready; False: where no build is
     # cached, run the eager forward at once and swap the compiled one in when it is built
@@ -85,6 +90,8 @@ class WorkerConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("quantization", self.quantization, QUANTIZATIONS)
         _one_of("gguf_activations", self.gguf_activations, GGUF_ACTIVATIONS)
+        if not self.gguf_wide_steps.isdigit():
+            _one_of("gguf_wide_steps", self.gguf_wide_steps, GGUF_WIDE_STEPS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("helper_cpu_scheduling", self.helper_cpu_scheduling, HELPER_CPU_SCHEDULING)
@@ -147,6 +154,13 @@ class WorkerConfig:
                 "batch_invariant needs the GGUF kernel and the C++ attention on the CPU in "
                 f"float32; got quantization={q}, attention_backend={self.attention_backend}, "
                 f"dtype={dtype}, device={self.device}",
+            )
+        if self.batch_invariant and self.gguf_wide_steps.isdigit():
+            raise WorkerConfigError(
+                "gguf_wide_steps",
+                "batch_invariant runs every step on the GGUF blocks (a row's product on the "
+                "bf16 copy depends on the step's width); got "
+                f"gguf_wide_steps={self.gguf_wide_steps}",
             )
 
     def check_model_path(self, path: Path) -> None:

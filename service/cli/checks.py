@@ -88,6 +88,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         dtype=a["dtype"],
         quantization=a["quantization"],
         gguf_activations=a["gguf_activations"],
+        gguf_wide_steps=a["gguf_wide_steps"],
         enforce_eager=a["enforce_eager"],
         compile_wait=a["compile_wait"],
         batch_invariant=a["batch_invariant"],

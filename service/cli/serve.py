@@ -151,7 +151,7 @@ def _metrics(name: str, info: WorkerInfo, compat: str | None) -> ServiceMetrics:
         device=info.device, dtype=info.dtype, quantization=info.quantization,
         compiled=info.compiled, attention_backend=info.attention_backend,
         num_threads=info.num_threads, batch_invariant=info.batch_invariant,
-        kv_cache_dtype=info.kv_cache_dtype,
+        kv_cache_dtype=info.kv_cache_dtype, wide_steps=info.extra.get("wide_steps", ""),
     )
     return metrics
 

@@ -27,6 +27,7 @@ from worker.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     GGUF_ACTIVATIONS,
+    GGUF_WIDE_STEPS,
     HELPER_CPU_SCHEDULING,
     LOG_LEVELS,
     QUANTIZATIONS,
@@ -150,6 +151,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gguf-activations", default="auto", choices=GGUF_ACTIVATIONS,
                    help="activations in the gguf products (auto: int8 where the CPU has "
                    "AVX512-VNNI, else float32; docs/cpu.md)")
+    g.add_argument("--gguf-wide-steps", default="auto", metavar="|".join((*GGUF_WIDE_STEPS, "N")),
+                   help="steps of many tokens with a gguf model (auto: on a bfloat16 copy of "
+                   "the weights, AMX where the CPU has it, from the width the start-up probe "
+                   "measures faster; N: above N tokens; blocks: on the GGUF blocks at every "
+                   "width, less memory and float32 accuracy; docs/cpu.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the forward (by default: compiled ahead of time, cached "
                    "on disk, kept where faster; docs/cpu.md)")

@@ -289,8 +289,10 @@ class ServiceMetrics:
         num_threads: int,
         batch_invariant: bool = False,
         kv_cache_dtype: str = "",
+        wide_steps: str = "",
     ) -> None:
         self._worker_labels = {
+            "wide_steps": wide_steps,
             "device": device,
             "dtype": dtype,
             "kv_cache_dtype": kv_cache_dtype or dtype,

@@ -39,7 +39,7 @@ from worker.execution.step_executor import PlanRunner, StepExecutor
 from worker.model.aot_forward import AotForward, BackgroundBuild, token_ranges
 from worker.model.compiled_forward import Forward, compile_forward, compiler_missing, one_token_ms
 from worker.model.config import ModelConfig
-from worker.model.kernel_probe import KernelChoice, choose_kernels
+from worker.model.kernel_probe import KernelChoice, choose_kernels, remembered
 from worker.model.linear import int8_supported
 from worker.model.llama import LlamaForCausalLM
 from worker.model.loader import (
@@ -188,9 +188,19 @@ class ModelRunner(PlanRunner):
         )
         from worker.kernels.build import available
 
-        return choose_kernels(model_config, config.dtype, config.quantization, native,
-                              config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params,
-                              gguf_kernels=available()[0])
+        # a row's product on the bf16 copy would depend on how many rows share its step
+        wide = "blocks" if config.batch_invariant else config.gguf_wide_steps
+        inputs = {
+            "model": dataclasses.asdict(model_config), "dtype": config.dtype,
+            "quantization": config.quantization, "native": sorted(native),
+            "max_tokens": config.max_num_batched_tokens, "copy_bytes": 2 * linear_params,
+            "gguf_kernels": available()[0], "gguf_wide_steps": wide,
+        }
+        return remembered(inputs, lambda: choose_kernels(
+            model_config, config.dtype, config.quantization, native,
+            config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params,
+            gguf_kernels=available()[0], gguf_wide_steps=wide,
+        ))
 
     def _forward(self) -> tuple[Forward, bool, str]:
         """The forward the steps start with: compiled where that measures faster (see
@@ -279,6 +289,15 @@ class ModelRunner(PlanRunner):
             )
         return result.forward, result.compiled, result.note
 
+    def wide_steps(self) -> str:
+        """How steps of many tokens run: "bf16-amx above 8" (a bf16 copy of the low-bit
+        weights, on AMX tiles where the CPU has them and oneDNN will use them), or the
+        weights' own form ("low-bit")."""
+        if self.kernels.dense_above is None:
+            return "low-bit" if self.kernels.quantization != "none" else "dense"
+        amx = bool(torch.cpu._is_amx_tile_supported())
+        return f"bf16-{'amx' if amx else 'avx'} above {self.kernels.dense_above}"
+
     def _settings(self) -> dict[str, object]:
         """This worker's settings with the start-up probe's choices fixed, so that a child
         process builds the same module."""
@@ -289,6 +308,8 @@ class ModelRunner(PlanRunner):
             "gguf_activations": self.gguf_activations if self.gguf_activations != "none"
             else "auto",
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "gguf_wide_steps": "blocks" if self.kernels.dense_above is None
+            else str(self.kernels.dense_above),
         }
 
     def forward_pending(self) -> bool:
@@ -440,6 +461,7 @@ class ModelRunner(PlanRunner):
             extra={
                 "forward": self.compile_note,
                 "gguf_activations": self.gguf_activations,
+                "wide_steps": self.wide_steps(),
                 **{k: f"{v:.4f}" for k, v in self.kernels.timings_ms.items()},
             },
             copy_bandwidth=measure_copy_bandwidth(self.kv_cache),

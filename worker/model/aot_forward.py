@@ -84,7 +84,7 @@ def _constants(traced: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(traced.named_parameters()), **dict(traced.named_buffers())}
 
 
-def _source_digest() -> str:
+def source_digest() -> str:
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for folder in _SOURCES:
@@ -107,7 +107,7 @@ class AotSpec:
     @property
     def key(self) -> str:
         text = json.dumps(
-            {"format": _FORMAT, "torch": torch.__version__, "source": _source_digest(),
+            {"format": _FORMAT, "torch": torch.__version__, "source": source_digest(),
              **self.__dict__},
             sort_keys=True,
         )

@@ -13,8 +13,11 @@ from timings of the model's MLP matmul at one token (a decode step) and at `WIDE
     dtype auto          float32 for a GGUF file (the accuracy gate rules out bfloat16
                         there); else bfloat16 if its dense matmul beats float32's at both
                         widths, as --quantization int8/int4 (torch's kernels) require
-    int4 dense copy     (--quantization int4) kept when dense bf16 beats int4 from some
-                        width on and the copy fits in a quarter of the memory
+    dense copy          (gguf, int4) a bf16 copy of the linear weights kept for steps of
+                        many tokens, when dense bf16 beats the low-bit kernel from some width
+                        on and the copy fits in a quarter of the memory; for gguf the dense
+                        form is timed as it runs, float32 activations rounded to bf16 and
+                        back (oneDNN runs it on AMX tiles where the CPU has them)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class KernelChoice:
         cut = (
             ""
             if self.dense_above is None
-            else f", int4 -> dense bf16 above {self.dense_above} tokens"
+            else f", {self.quantization} -> dense bf16 above {self.dense_above} tokens"
         )
         dtype = str(self.dtype).removeprefix("torch.")
         return f"dtype {dtype}, quantization {self.quantization}{cut} (ms: {parts})"
@@ -97,6 +100,11 @@ class _Probe:
                 dtype = getattr(torch, form)
                 made = [
                     make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)
+                ]
+            elif form == "gguf-dense":  # a GGUF layer's bf16 copy, float32 in and out
+                q = quantize_int4(self.weight)
+                made = [
+                    make_linear(q, torch.float32, dense_above=0) for _ in range(self.copies)
                 ]
             else:  # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
                 kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
@@ -145,12 +153,13 @@ def _llc_bytes() -> int:
 
 def choose_kernels(
     config: ModelConfig, dtype: str, quantization: str, native_kinds: set[str], max_tokens: int,
-    dense_copy_bytes: int, gguf_kernels: bool,
+    dense_copy_bytes: int, gguf_kernels: bool, gguf_wide_steps: str = "auto",
 ) -> KernelChoice:
     """Resolve `auto` dtype / quantization on CPU by measurement. `native_kinds`: the low-bit
     kinds ("int4", "int8") a GGUF file stores natively (empty for other formats);
     `dense_copy_bytes`: what a bf16 copy of the linear weights would take; `gguf_kernels`:
-    whether stepserve's C++ kernels built here."""
+    whether stepserve's C++ kernels built here; `gguf_wide_steps`: for gguf, "auto" (a bf16
+    copy for wide steps where measured faster), "blocks" (no copy) or a cut-over in tokens."""
     probe = _Probe(config)
     if quantization == "auto":
         quantization = "none"
@@ -168,20 +177,27 @@ def choose_kernels(
         required = {"gguf": "float32", "int8": "bfloat16", "int4": "bfloat16"}.get(quantization)
         faster = all(probe.ms("bfloat16", n) < probe.ms("float32", n) for n in (1, WIDE))
         dtype = required or ("bfloat16" if faster else "float32")
-    uses_int4 = quantization == "int4"
     fits = dense_copy_bytes <= _memory_bytes() // 4
-    dense_above = _cut_over(probe, max_tokens) if uses_int4 and fits else None
+    dense_above = None
+    if fits and quantization == "int4":
+        dense_above = _cut_over(probe, max_tokens, "bfloat16", ["int4"])
+    elif quantization == "gguf" and gguf_wide_steps.isdigit():
+        dense_above = int(gguf_wide_steps)
+    elif fits and quantization == "gguf" and gguf_wide_steps == "auto":
+        low = [f"gguf-{kind}" for kind in sorted(native_kinds)]
+        dense_above = _cut_over(probe, max_tokens, "gguf-dense", low)
     return KernelChoice(getattr(torch, dtype), quantization, dense_above, dict(probe.timings))
 
 
-def _cut_over(probe: _Probe, max_tokens: int) -> int | None:
-    """The widest step int4 should still serve itself: below the first width at which dense
-    bf16 is faster; None when int4 stays faster up to `max_tokens`."""
+def _cut_over(probe: _Probe, max_tokens: int, dense: str, low: list[str]) -> int | None:
+    """The widest step the low-bit forms should still serve themselves: below the first
+    width at which the `dense` form beats every one of them; None when one stays faster up
+    to `max_tokens`."""
     previous = 1
     for width in CUT_OVER_WIDTHS:
         if width > max_tokens:
             break
-        if probe.ms("bfloat16", width) < probe.ms("int4", width):
+        if all(probe.ms(dense, width) < probe.ms(form, width) for form in low):
             return previous
         previous = width
     return None
@@ -189,3 +205,51 @@ def _cut_over(probe: _Probe, max_tokens: int) -> int | None:
 
 def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def remembered(inputs: dict[str, object], choose: Callable[[], KernelChoice]) -> KernelChoice:
+    """`choose()`'s result, measured once per model shape, request, CPU, thread count, torch
+    and source, then read back: a restart neither waits for the probe again nor draws a
+    different cut-over from a noisy timing (the compiled forward's packages are keyed by
+    it). Kept under the compiled forward's cache directory; a choice that measured nothing
+    (every setting explicit) is not kept."""
+    import hashlib
+    import json
+
+    from worker.kernels.build import isa_flags
+    from worker.model.aot_forward import cache_root, source_digest
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model_name = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+         if line.startswith("model name")), "",
+    )
+    key_text = json.dumps(
+        {**inputs, "cpu": model_name, "isa": isa_flags(cpuinfo),
+         "threads": torch.get_num_threads(), "torch": torch.__version__,
+         "source": source_digest()},
+        sort_keys=True, default=str,
+    )
+    path = cache_root() / "probe" / f"{hashlib.sha256(key_text.encode()).hexdigest()[:24]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        choice = KernelChoice(getattr(torch, saved["dtype"]), saved["quantization"],
+                              saved["dense_above"], saved["timings_ms"])
+        log.info("kernels as measured at an earlier start (%s)", path)
+        return choice
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    choice = choose()
+    if choice.timings_ms:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({
+                "dtype": str(choice.dtype).removeprefix("torch."),
+                "quantization": choice.quantization, "dense_above": choice.dense_above,
+                "timings_ms": choice.timings_ms,
+            }))
+            tmp.replace(path)
+        except OSError as exc:  # a read-only cache: measure again at the next start
+            log.warning("could not keep the probe's choice in %s: %s", path, exc)
+    return choice

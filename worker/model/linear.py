@@ -9,11 +9,15 @@
                integer dot products); elsewhere, or with float32 activations asked for, the
                blocks as stored times float32 activations (csrc/lowbit_linear.cpp)
 
-Both low-bit kernels take bfloat16 activations (with float32 ones they fall back to a slow
-path, measured 10-100x slower), so a quantized model runs in bfloat16. Int4 may also keep a
-dense copy of its weight for steps of many tokens: the int4 kernel reads 4x fewer bytes,
-which wins for decodes, while at a few dozen tokens and more the dense bf16 GEMM's compute
-rate wins (the start-up probe measures where, see `worker.model.kernel_probe`).
+Both of torch's low-bit kernels take bfloat16 activations (with float32 ones they fall
+back to a slow path, measured 10-100x slower), so a quantized model runs in bfloat16.
+
+Int4 and GGUF layers may also keep a dense bfloat16 copy of their weight for steps of many
+tokens (`dense_above`): the low-bit kernels read 4-8x fewer bytes, which wins for decodes,
+while from a few tokens on a dense bf16 GEMM's compute rate wins: oneDNN runs it on AMX
+tiles where the CPU has them (11x the GGUF kernel at 512 tokens on a Xeon), on AVX512-BF16
+elsewhere. The start-up probe measures where, see `worker.model.kernel_probe`. A GGUF
+layer's copy takes float32 activations rounded to bfloat16 and gives float32 outputs.
 """
 
 from __future__ import annotations
@@ -149,40 +153,51 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.bits, self.tiled = bits, tiled_rows is not None
         self.n = int(scales.shape[0]) if tiled_rows is None else tiled_rows
+        self.dense_above: int | None = None
         _buffer(self, "codes", codes)
         _buffer(self, "scales", scales)
         _buffer(self, "offsets", offsets)  # empty for Q8
         _buffer(self, "bias", bias)
+        _buffer(self, "dense", None)
 
     @classmethod
     def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                       int8_activations: bool = True) -> GGUFLinear:
+                       int8_activations: bool = True, dense_above: int | None = None) -> GGUFLinear:
         """The tiled form where `int8_activations`, the CPU runs it and the scales are exact
-        in float16 (GGUF stores them so); else the stored form."""
+        in float16 (GGUF stores them so); else the stored form. `dense_above`: keep a bf16
+        copy for steps of more tokens than this."""
         if weight.group_size != GGUF_GROUP:
             raise ValueError(
                 f"the GGUF kernel runs blocks of {GGUF_GROUP} values, got groups of "
                 f"{weight.group_size}"
             )
         b = None if bias is None else bias.float()
-        if int8_activations and (layer := cls.tiled_from(weight, b)) is not None:
-            return layer
-        if weight.kind == "int8":
-            return cls(
+        layer = cls.tiled_from(weight, b) if int8_activations else None
+        if layer is None and weight.kind == "int8":
+            layer = cls(
                 weight.q.to(torch.int8).view(torch.uint8).contiguous(),
                 weight.scale.float().contiguous(),
                 torch.empty(0),
                 8,
                 b,
             )
-        assert weight.offset is not None
-        return cls(
-            pack_nibbles(weight.q),
-            weight.scale.float().contiguous(),
-            weight.offset.float().contiguous(),
-            4,
-            b,
-        )
+        elif layer is None:
+            assert weight.offset is not None
+            layer = cls(
+                pack_nibbles(weight.q),
+                weight.scale.float().contiguous(),
+                weight.offset.float().contiguous(),
+                4,
+                b,
+            )
+        if dense_above is not None:
+            layer.keep_dense(weight, dense_above)
+        return layer
+
+    def keep_dense(self, weight: QuantizedWeight, above: int) -> None:
+        """Serve steps of more than `above` tokens from a bf16 copy of `weight`."""
+        self.dense_above = above
+        self.dense = weight.dequantize(torch.bfloat16)
 
     @classmethod
     def tiled_from(
@@ -199,7 +214,13 @@ class GGUFLinear(nn.Module):
         return self.n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled:
+        if (
+            self.dense is not None
+            and self.dense_above is not None
+            and x.shape[0] > self.dense_above
+        ):
+            y = F.linear(x.to(torch.bfloat16), self.dense).float()
+        elif self.tiled:
             y = torch.ops.stepserve_cpu.int8_linear(
                 x, self.codes, self.scales, self.offsets, self.bits, self.n
             )
@@ -265,11 +286,12 @@ def make_linear(
 ) -> Linear:
     """The layer for a weight as loaded: dense for floats; low-bit codes under float32
     activations through the GGUF kernels (`int8_activations`: the tiled form where the CPU
-    runs it), under bfloat16 ones through torch's kernel of their kind."""
+    runs it), under bfloat16 ones through torch's kernel of their kind; low-bit layers keep
+    a dense bf16 copy for steps above `dense_above` tokens."""
     if not isinstance(weight, QuantizedWeight):
         return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
     if dtype == torch.float32:
-        return GGUFLinear.from_quantized(weight, bias, int8_activations)
+        return GGUFLinear.from_quantized(weight, bias, int8_activations, dense_above)
     if weight.kind == "int8":
         return Int8Linear.from_quantized(weight, dtype, bias)
     return Int4Linear(weight, dtype, bias, dense_above)

@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of weights a step reads, each tensor once (a tied head shares the embedding)."""
         named = [*self.named_parameters(), *self.named_buffers()]
-        # rope tables are indexed, not read whole; int4's dense copies serve long steps only
+        # rope tables are indexed, not read whole; low-bit layers' dense copies serve wide steps
         tensors = {
             t.data_ptr(): t
             for name, t in named

@@ -36,11 +36,13 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "int8", "int4")
 
 @dataclass(frozen=True)
 class WeightForm:
-    """How weights are held: activation/dense dtype, quantization, and the int4 dense cut-over."""
+    """How weights are held: activation/dense dtype, quantization, and the low-bit layers'
+    dense cut-over."""
 
     dtype: torch.dtype
     quantization: Quantization = "none"
-    dense_above: int | None = None  # int4 layers keep a dense copy for steps above this many tokens
+    # int4 / gguf layers keep a bf16 copy for steps above this many tokens
+    dense_above: int | None = None
     int8_activations: bool = True  # gguf: the tiled int8-activation kernel where the CPU runs it
 
     def __post_init__(self) -> None:
