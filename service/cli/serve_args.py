@@ -152,10 +152,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="activations in the gguf products (auto: int8 where the CPU has "
                    "AVX512-VNNI, else float32; docs/cpu.md)")
     g.add_argument("--gguf-wide-steps", default="auto", metavar="|".join((*GGUF_WIDE_STEPS, "N")),
-                   help="steps of many tokens with a gguf model (auto: on a bfloat16 copy of "
-                   "the weights, AMX where the CPU has it, from the width the start-up probe "
-                   "measures faster; N: above N tokens; blocks: on the GGUF blocks at every "
-                   "width, less memory and float32 accuracy; docs/cpu.md)")
+                   help="wide gguf steps on a bf16 weight copy (auto: from the width the "
+                   "probe finds faster; N: above N tokens) or blocks; docs/cpu.md")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the forward (by default: compiled ahead of time, cached "
                    "on disk, kept where faster; docs/cpu.md)")
