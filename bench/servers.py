@@ -78,14 +78,19 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) 
     raise TimeoutError(f"{url} did not become healthy")
 
 
+def metric_values(url: str) -> dict[str, float]:
+    """A server's `/metrics`, sample name -> value (the last sample of each name)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
 def step_histogram(url: str) -> tuple[float, float, float]:
     """(count, sum in seconds) of a stepserve server's step-duration histogram, and the sum
     of the worker's own execute times over the same steps (`/metrics`)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    values = {
-        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-    }
+    values = metric_values(url)
     return (
         values["stepserve:step_duration_seconds_count"],
         values["stepserve:step_duration_seconds_sum"],

@@ -24,7 +24,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.servers import ALL_PERCENTILE_METRICS, ROOT, cpu_info, free_port, running, stepserve_cmd
+from bench.servers import (
+    ALL_PERCENTILE_METRICS,
+    ROOT,
+    cpu_info,
+    free_port,
+    metric_values,
+    running,
+    stepserve_cmd,
+)
 
 KEYS = (
     "completed", "failed", "duration", "total_output_tokens", "output_throughput",
@@ -79,9 +87,18 @@ def one_arm(url: str, args: argparse.Namespace, tmp: Path, arm: str) -> dict[str
             raise RuntimeError(f"{arm}/{name}: stepserve bench failed")
         data = json.loads(outs[name].read_text())
         result[name] = {k: data.get(k) for k in KEYS}
+        ttfts = [(t, i) for i, t in enumerate(data.get("ttfts", [])) if t is not None]
+        # the slowest first tokens and their place in the run (a p99 of 68 requests is
+        # about its largest): warm-up, or the run's busiest moment?
+        result[name]["slowest_ttfts_ms"] = [
+            {"request": i, "ms": round(t * 1000, 1)} for t, i in sorted(ttfts)[-3:]
+        ]
     total = sum(result[c]["total_output_tokens"] or 0 for c in result)
     span = max(result[c]["duration"] or 0 for c in result)
     result["total_output_throughput"] = total / span if span else None
+    values = metric_values(url)  # how well the step-cost model predicted the run's steps
+    result["step_time"] = {k: values.get(f"stepserve:step_time_{k}")
+                           for k in ("overrun", "relative_error")}
     return result
 
 

@@ -13,8 +13,9 @@ With a step-time budget (`SchedulerConfig.max_step_ms`), phase 1 schedules every
 before any prefill chunk, and `StepTimeBudget` sizes each chunk so that the step's predicted
 time stays within the target while requests decode (scheduler/step_time_budget.py). Under
 the slo policy a step's target is the tightest TPOT objective among the requests decoding
-in it (`step_objective`, a firm target: the prefill share does not stretch it), and
-`max_step_ms` where none of them has one.
+in it (`step_objective`, a firm target: the prefill share does not stretch it; shortened
+by how far measured steps overrun the cost model at the tail), and `max_step_ms` where
+none of them has one.
 
 Every request's objectives are resolved on arrival (scheduler/slo.py); with a step-cost
 model its first token is forecast then too (scheduler/forecast.py), and `admission_check`
@@ -42,7 +43,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.slo import slack
 from scheduler.stats import SchedulerStats
 from scheduler.step import Preemption, StepBuilder
-from scheduler.step_cost import BatchShape
+from scheduler.step_cost import BatchShape, overrun_of
 from scheduler.step_time_budget import StepTimeBudget
 from scheduler.victims import pick_victim, swap_is_cheaper
 
@@ -142,12 +143,14 @@ class Scheduler:
 
     def step_objective(self) -> float | None:
         """Under the slo policy, the tightest TPOT objective (seconds) among the running
-        requests that decode: the next step's firm target (see StepTimeBudget); else None."""
+        requests that decode, divided by the cost model's tail overrun (`overrun_of`: a
+        step predicted at the objective would run over it about half the time): the next
+        step's firm target (see StepTimeBudget); else None."""
         if self._time is None or self.config.scheduling_policy != "slo":
             return None
         tpots = [r.slo.tpot_s for r in self.running
                  if r.slo.tpot_s is not None and r.num_output_tokens + r.num_placeholders > 0]
-        return min(tpots) if tpots else None
+        return min(tpots) / overrun_of(self.config.step_cost) if tpots else None
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         req = self.requests.get(request_id)

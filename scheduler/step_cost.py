@@ -9,13 +9,16 @@ adds the per-token, per-sampled-position and per-attention-pair terms of `step_f
 
 A cost function is any `StepCostFn`: a plain callable from a shape to predicted seconds.
 The scheduler only calls it; who fits it (engine, simulator, a test's fake) is not its
-business. It must not decrease when tokens are added to a step.
+business. It must not decrease when tokens are added to a step. A model fitted from measured
+steps may also say how far they run over its predictions at the tail (`TracksOverrun`):
+the slo policy shortens a TPOT objective by that much before holding steps to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 @dataclass
@@ -108,3 +111,18 @@ def flop_rate_cost(flops_per_token: float, compute_rate: float) -> StepCostFn:
         return batch.num_tokens * flops_per_token / compute_rate
 
     return cost
+
+
+@runtime_checkable
+class TracksOverrun(Protocol):
+    """A cost model that compares its predictions with measured steps."""
+
+    def overrun(self) -> float:
+        """measured / predicted step time at a high quantile of recent steps (>= 1)."""
+        ...
+
+
+def overrun_of(cost: StepCostFn | None) -> float:
+    """`cost`'s tail overrun, 1.0 for a model that does not track one (a fixed model, a
+    test's fake, the simulator's roofline: their predictions are what happens)."""
+    return cost.overrun() if isinstance(cost, TracksOverrun) else 1.0

@@ -20,6 +20,11 @@ non-negative minimiser of::
   recent steps do not excite (no long prefill for minutes) falls back to the calibrated
   value instead of drifting to zero.
 
+A least-squares fit is right on average, so about half of the steps run over it. `overrun`
+says by how much at the tail: the 95th percentile of measured / predicted over the last
+256 steps. The slo policy divides a TPOT objective by it, so that steps held to the
+objective meet it at the tail and not only on average.
+
 Pure Python (the scheduler's package imports no numpy): seven unknowns, a 7x7 normal
 matrix updated in O(49) per step and solved lazily, on the next prediction, with
 non-negativity by Lawson-Hanson's active set, started from the last fit's support: the
@@ -31,6 +36,7 @@ not what is found.
 from __future__ import annotations
 
 import math
+from collections import deque
 from operator import mul
 
 from scheduler.step_cost import FEATURES, BatchShape, step_features
@@ -42,6 +48,9 @@ _N = len(FEATURES)
 _RIDGE = 1e-9
 _EWMA = 0.05  # the relative-error and outlier-scale running means: ~ the last 20 steps
 _MIN_LOG_SCALE = 0.05
+OVERRUN_WINDOW = 256  # steps
+OVERRUN_QUANTILE = 0.95
+MAX_OVERRUN = 2.0  # a storm of slow steps halves a TPOT-held step at most
 
 
 class OnlineStepCost:
@@ -73,6 +82,8 @@ class OnlineStepCost:
         self.relative_error = math.nan  # running mean of |predicted - measured| / measured
         self.last_predicted = 0.0
         self.last_measured = 0.0
+        self._ratios: deque[float] = deque(maxlen=OVERRUN_WINDOW)  # measured / predicted
+        self._overrun: float | None = 1.0  # None: to compute from _ratios
 
     # ---- prediction --------------------------------------------------------------------
     def predict(self, batch: BatchShape) -> float:
@@ -83,6 +94,19 @@ class OnlineStepCost:
         return fitted + self.swap_seconds(batch)
 
     __call__ = predict
+
+    def overrun(self) -> float:
+        """How far measured steps run over the predictions at the tail: the
+        `OVERRUN_QUANTILE` of measured / predicted over the last `OVERRUN_WINDOW` steps,
+        within [1, MAX_OVERRUN]; 1.0 until `warmup` steps past the first `warmup` are measured."""
+        if self._overrun is None:
+            if len(self._ratios) < max(self.warmup, 1):
+                self._overrun = 1.0
+            else:
+                ratios = sorted(self._ratios)
+                q = ratios[min(int(OVERRUN_QUANTILE * len(ratios)), len(ratios) - 1)]
+                self._overrun = min(max(q, 1.0), MAX_OVERRUN)
+        return self._overrun
 
     def swap_seconds(self, batch: BatchShape) -> float:
         """The swap copies' share: measured bandwidth, not fitted (swaps are too rare)."""
@@ -119,6 +143,9 @@ class OnlineStepCost:
             else self.relative_error + _EWMA * (err - self.relative_error)
         )
         self.last_predicted, self.last_measured = predicted, seconds
+        if predicted > 0 and self.num_observed >= self.warmup:  # past the fit's first misses
+            self._ratios.append(seconds / predicted)
+            self._overrun = None
         swap = self.swap_seconds(batch)
         x = self._row(batch, seconds - swap)
         if x is None:

@@ -142,6 +142,11 @@ class _StepTimeMetrics:
             "step_time_relative_error",
             "Recent mean of |predicted - measured| / measured step time (~ last 20 steps).",
         )
+        self.overrun = gauge(
+            "step_time_overrun",
+            "measured / predicted step time, 95th percentile of the last 256 steps (>= 1): "
+            "the slo policy divides TPOT objectives by it.",
+        )
         self.target = gauge(
             "step_time_target_seconds", "--max-step-ms as seconds (0: the time budget is off)."
         )
@@ -177,6 +182,7 @@ class _StepTimeMetrics:
         self.last_predicted.set(predicted)
         self.last_measured.set(measured)
         self.rel_error.set(model.relative_error)
+        self.overrun.set(model.overrun())
         self.limit.set(stats.step_time_limit)
         if (
             self._coef_model is not model

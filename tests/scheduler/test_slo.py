@@ -166,6 +166,38 @@ def test_a_tpot_objective_is_not_stretched_by_the_prefill_share_while_the_decode
     assert plan.num_scheduled_tokens["long"] == chunk
 
 
+@dataclass(frozen=True)
+class OverrunCost(Cost):
+    """A cost model whose steps run `tail` x over its predictions at the 95th percentile."""
+
+    tail: float = 1.0
+
+    def overrun(self) -> float:
+        return self.tail
+
+
+@pytest.mark.parametrize(("tail", "chunk"), [
+    # As in the first example: held to 50 ms, 10 + 3 decodes + m <= 50 -> m <= 37: 32 tokens.
+    (1.0, 32),
+    # Steps run 1.25x over their predictions at the tail: held to 50 / 1.25 = 40 ms,
+    # 10 + 3 + m <= 40 -> m <= 27: one block.
+    (1.25, 16),
+])
+def test_a_tpot_objective_is_shortened_by_the_cost_model_s_tail_overrun(tail: float, chunk: int) -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", step_cost=OverrunCost(step=0.01, token=0.001, tail=tail),
+                          max_step_ms=300.0, min_prefill_share=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("batch", 16, 0.0, max_tokens=500))
+    s.add_request(_req("chat", 16, 0.0, tpot=0.05, max_tokens=500))
+    s.add_request(_req("chat2", 16, 0.0, tpot=0.2, max_tokens=500))
+    _decode_all(s, w)
+    assert s.step_objective() == pytest.approx(0.05 / tail)
+    s.add_request(_req("long", 600, 0.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens["long"] == chunk
+
+
 def test_under_fcfs_the_target_stays_the_configured_one() -> None:
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=512, step_cost=Cost(), max_step_ms=300.0)
     s, w = Scheduler(cfg), MirrorWorker(16, 64)

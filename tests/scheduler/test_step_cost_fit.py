@@ -137,6 +137,33 @@ def test_relative_error_is_measured_before_each_update() -> None:
     assert (model.last_predicted, model.last_measured) == (pytest.approx(0.1, rel=1e-3), 0.2)
 
 
+def test_overrun_is_the_tail_of_measured_over_predicted() -> None:
+    """Steps measured 0.8-1.2x of a fixed truth at random: the least-squares fit is right on
+    average, so about half run over it; the overrun is their 95th percentile, near 1.2x
+    over the fit, and 1.0 before it has a window past the fit's warm-up."""
+    rng = random.Random(3)
+    model = OnlineStepCost(forgetting=1.0)
+    for _ in range(2 * model.warmup - 1):
+        b = _shape(rng)
+        model.observe(b, _time(b, rng.uniform(0.8, 1.2)))
+    assert model.overrun() == 1.0
+    ratios = []
+    for _ in range(400):
+        b = _shape(rng)
+        measured = _time(b, rng.uniform(0.8, 1.2))
+        ratios.append(measured / model.predict(b))
+        model.observe(b, measured)
+    tail = sorted(ratios[-256:])[int(0.95 * 256)]
+    assert model.overrun() == pytest.approx(tail, rel=0.05)
+    assert 1.1 < model.overrun() < 1.3
+    # Predictions it overran by little: never below 1 (a pessimistic fit is not sped up).
+    fast = OnlineStepCost()
+    for _ in range(100):
+        b = _shape(rng)
+        fast.observe(b, _time(b))
+    assert fast.overrun() >= 1.0
+
+
 def test_solve_and_nnls_against_brute_force() -> None:
     rng = random.Random(6)
     for _ in range(50):

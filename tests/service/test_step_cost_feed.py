@@ -77,6 +77,7 @@ def test_feed_refits_and_exports_predicted_against_measured() -> None:
     assert values["stepserve:step_time_last_measured_seconds"] == 0.2
     assert abs(values["stepserve:step_time_last_predicted_seconds"] - 0.2) < 0.01
     assert values["stepserve:step_time_relative_error"] < 0.1  # the first (unseeded) miss has faded
+    assert values["stepserve:step_time_overrun"] == pytest.approx(1.0, rel=0.01)  # past the first misses
     assert values["stepserve:step_time_target_seconds"] == 0.25
     assert values["stepserve:step_time_limit_seconds"] == pytest.approx(0.309)  # the last step's
     assert values["stepserve:step_prefill_time_capped_total"] == 59
