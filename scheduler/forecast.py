@@ -5,8 +5,9 @@ read them; the metrics compare the first-token forecast with what happened.
 
 The model, from what the scheduler holds now and its step-cost model::
 
-    work ahead  = prompt tokens still to compute of the running requests, of the waiting
-                  requests the queue ranks before it, and its own
+    work ahead  = prompt tokens still to compute of the running requests (under slo, of
+                  those the queue ranks before it: the others' chunks wait for its own),
+                  of the waiting requests the queue ranks before it, and its own
     one step    = the running decodes + the longest prefill chunk the step's time limit
                   allows (the whole token budget when nothing decodes or there is no limit)
     prefill     = ceil(work ahead / chunk) steps of that step's predicted time
@@ -119,14 +120,16 @@ def _yielding(sched: Scheduler, now: float, own_slack: float | None) -> frozense
 
 
 def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own_blocks: int,
-                cost: StepCostFn, yielding: frozenset[str] = frozenset()) -> float:
-    """Seconds until the prefills of the running requests, `ahead`, and `own_tokens` more
-    are done, where the running requests in `yielding` give up their blocks when asked
-    (see the module docstring)."""
+                cost: StepCostFn, yielding: frozenset[str] = frozenset(),
+                behind: frozenset[str] = frozenset()) -> float:
+    """Seconds until the prefills of the running requests (but those in `behind`),
+    `ahead`, and `own_tokens` more are done, where the running requests in `yielding` give
+    up their blocks when asked (see the module docstring)."""
     steps = _Steps(sched, cost)
-    work = sum(_prefill_left(r) for r in sched.running)
+    work = sum(_prefill_left(r) for r in sched.running if r.request_id not in behind)
     work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead)
-    in_flight = 1.5 * steps.time(min(work, steps.chunk)) if sched.running else 0.0
+    planned = work + sum(_prefill_left(r) for r in sched.running if r.request_id in behind)
+    in_flight = 1.5 * steps.time(min(planned, steps.chunk)) if sched.running else 0.0  # planned
     work += own_tokens
     prefill = steps.prefill(work)
     config = sched.config
@@ -162,7 +165,11 @@ def first_token(sched: Scheduler, req: Request, now: float) -> float | None:
     ttft = req.slo.ttft_s
     own_slack = None if ttft is None else ttft - prefill_time_of(sched.config)(req.num_tokens)
     yielding = _yielding(sched, now, own_slack)
-    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, yielding)
+    behind: frozenset[str] = frozenset()
+    if sched.config.scheduling_policy == "slo":  # their next chunks wait for this one's
+        behind = frozenset(r.request_id for r in sched.running
+                           if _prefill_left(r) and queue.rank(r, now) > mine)
+    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, yielding, behind)
 
 
 def admitted_within(sched: Scheduler, count: int, now: float) -> float | None:

@@ -175,10 +175,12 @@ class Scheduler:
         step = StepBuilder(next(self._step_ids), self.config.max_num_batched_tokens)
         if self._time is not None:
             self._time.begin_step(self.step_objective())
-        self._schedule_running(step)
+        later = self._schedule_running(step, now)
         if not step.preempted:
             self._schedule_swapped(step, now)
             self._schedule_waiting(step, now)
+        if later:  # after admissions: they must not evict a request admitted in this step
+            self._schedule_deferred(step, later, preempt=False)
         plan = step.build(self.kv.blocks, self._finished_ids, self._aborted_ids)
         self.last_preemptions = tuple(step.preemptions)
         self.kv.end_step()
@@ -204,7 +206,11 @@ class Scheduler:
         n = end - req.num_computed_tokens
         return n if n == 1 else self._chunk(n, budget)
 
-    def _schedule_running(self, step: StepBuilder) -> None:
+    def _schedule_running(self, step: StepBuilder, now: float) -> list[Request]:
+        """Every running request's decode, then (under the time budget) their prefill
+        chunks. Returns the running prefills to size after the waiting requests: under
+        `slo`, those the queue ranks behind its head (a chat's first chunk goes before a
+        batch prompt's next one, as it would had both waited)."""
         deferred: list[Request] = []  # prefills under the time budget: sized after every decode
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -218,11 +224,20 @@ class Scheduler:
                 continue
             scheduled, shift = self._fit(req, n, step, i)
             i += int(scheduled) - shift
+        later: list[Request] = []
+        if deferred and self.config.scheduling_policy == "slo" and len(self.waiting):
+            head = self._urgency(self.waiting.peek(now), now)
+            later = [r for r in deferred if self._urgency(r, now) > head]
+            deferred = [r for r in deferred if self._urgency(r, now) <= head]
         if deferred:
             self._schedule_deferred(step, deferred)
+        return later
 
-    def _schedule_deferred(self, step: StepBuilder, prefills: list[Request]) -> None:
-        """Running prefills under the time budget, once the step holds every decode."""
+    def _schedule_deferred(
+        self, step: StepBuilder, prefills: list[Request], preempt: bool = True
+    ) -> None:
+        """Running prefills under the time budget, once the step holds every decode;
+        without `preempt`, a chunk whose blocks are not free waits for a later step."""
         time_budget = self._time
         assert time_budget is not None  # only the time budget defers prefills
         for req in prefills:
@@ -233,8 +248,10 @@ class Scheduler:
             n = self._tokens_for(req, step.budget)
             end = req.num_tokens + req.num_placeholders
             n = time_budget.chunk(step, req.num_computed_tokens, n, end) if n else 0
-            if n:
+            if n and preempt:
                 self._fit(req, n, step, 0)
+            elif n and (new := self.kv.allocate_slots(req, n)) is not None:
+                step.add(req, n, new)
 
     def _fit(self, req: Request, n: int, step: StepBuilder, position: int) -> tuple[bool, int]:
         """Schedule `n` tokens of running `req`, preempting victims until its blocks fit.

@@ -198,6 +198,32 @@ def test_a_tpot_objective_is_shortened_by_the_cost_model_s_tail_overrun(tail: fl
     assert plan.num_scheduled_tokens["long"] == chunk
 
 
+@pytest.mark.parametrize(("policy", "chat", "batch"), [
+    # A step held to 50 ms: 10 ms + 1 ms a token. One decode and a 32-token chunk make 43 ms;
+    # a second chunk would not fit. Under slo the chat's first chunk goes before the running
+    # batch prompt's next one (the queue ranks the chat first: 1 s to its deadline against
+    # 60 s); under FCFS the running prefill goes first and the chat waits a step.
+    ("slo", 32, 0),
+    ("fcfs", 0, 32),
+])
+def test_under_slo_an_urgent_arrival_s_chunk_goes_before_a_running_prefill_s(policy: str, chat: int, batch: int) -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy=policy, step_cost=Cost(step=0.01, token=0.001), max_step_ms=50.0,
+                          min_prefill_share=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("decode", 16, 0.0, max_tokens=500))
+    _decode_all(s, w)
+    s.add_request(_req("batch", 600, 0.0, ttft=60.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens["batch"] == 32
+    s.update_from_output(plan, w.execute(plan), now=0.0)
+    s.add_request(_req("chat", 32, 0.0, ttft=1.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens.get("chat", 0) == chat
+    assert plan.num_scheduled_tokens.get("batch", 0) == batch
+    assert plan.num_scheduled_tokens["decode"] == 1
+
+
 def test_under_fcfs_the_target_stays_the_configured_one() -> None:
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=512, step_cost=Cost(), max_step_ms=300.0)
     s, w = Scheduler(cfg), MirrorWorker(16, 64)
