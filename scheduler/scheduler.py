@@ -227,8 +227,10 @@ class Scheduler:
         later: list[Request] = []
         if deferred and self.config.scheduling_policy == "slo" and len(self.waiting):
             head = self._urgency(self.waiting.peek(now), now)
-            later = [r for r in deferred if self._urgency(r, now) > head]
-            deferred = [r for r in deferred if self._urgency(r, now) <= head]
+            now_or_later: tuple[list[Request], list[Request]] = ([], later)
+            for r in deferred:
+                now_or_later[self._urgency(r, now) > head].append(r)
+            deferred = now_or_later[0]
         if deferred:
             self._schedule_deferred(step, deferred)
         return later
@@ -248,21 +250,23 @@ class Scheduler:
             n = self._tokens_for(req, step.budget)
             end = req.num_tokens + req.num_placeholders
             n = time_budget.chunk(step, req.num_computed_tokens, n, end) if n else 0
-            if n and preempt:
-                self._fit(req, n, step, 0)
-            elif n and (new := self.kv.allocate_slots(req, n)) is not None:
-                step.add(req, n, new)
+            if n:
+                self._fit(req, n, step, 0, preempt)
 
-    def _fit(self, req: Request, n: int, step: StepBuilder, position: int) -> tuple[bool, int]:
-        """Schedule `n` tokens of running `req`, preempting victims until its blocks fit.
-        Returns whether it was scheduled (it may be the victim itself) and how many of the
-        preempted requests stood before `position` in the running list."""
+    def _fit(self, req: Request, n: int, step: StepBuilder, position: int,
+             preempt: bool = True) -> tuple[bool, int]:
+        """Schedule `n` tokens of running `req`, preempting victims until its blocks fit
+        (without `preempt`, only if they are free). Returns whether it was scheduled (it may
+        be the victim itself) and how many of the preempted requests stood before
+        `position` in the running list."""
         shift = 0
         while True:
             new = self.kv.allocate_slots(req, n)
             if new is not None:
                 step.add(req, n, new)
                 return True, shift
+            if not preempt:
+                return False, shift
             victim = pick_victim(
                 self.running, self.config.effective_victim_policy, self.kv.blocks_freed_by,
                 self._victim_slack,

@@ -182,12 +182,12 @@ class _StepTimeMetrics:
         self.last_predicted.set(predicted)
         self.last_measured.set(measured)
         self.rel_error.set(model.relative_error)
-        self.overrun.set(model.overrun())
         self.limit.set(stats.step_time_limit)
         if (
             self._coef_model is not model
-        ):  # read at scrape time: a refit costs more than a step's metrics
+        ):  # read at scrape time: a refit (or the overrun's sort) costs more than a step's metrics
             self._coef_model = model
+            self.overrun.set_function(model.overrun)
             for term in FEATURES:
                 self._coef.labels(self.model_name, term).set_function(
                     lambda term=term: model.coefficients[term]
