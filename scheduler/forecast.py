@@ -8,9 +8,14 @@ The model, from what the scheduler holds now and its step-cost model::
     work ahead  = prompt tokens still to compute of the running requests (under slo, of
                   those the queue ranks before it: the others' chunks wait for its own),
                   of the waiting requests the queue ranks before it, and its own
+    demoted     = under slo, a waiting request ranked before it whose deadline is still
+                  meetable but lost before the work ranked before that request is done:
+                  it will be demoted behind this one, so it is not work ahead
     one step    = the running decodes + the longest prefill chunk the step's time limit
                   allows (the whole token budget when nothing decodes or there is no limit)
-    prefill     = ceil(work ahead / chunk) steps of that step's predicted time
+    prefill     = ceil(work ahead / chunk) steps of that step's predicted time; the last
+                  step's chunk is filled up with the work ranked behind it, as the
+                  scheduler fills it
     seats       = when the running batch (max_num_seqs) or the KV pool has no room for the
                   requests ahead and this one, the running requests that would finish first
                   (by predicted output length) decode until they make room (decode-only
@@ -24,8 +29,6 @@ The model, from what the scheduler holds now and its step-cost model::
                   the one executing is (on average) half done
     forecast    = max(prefill, seats + its own prefill) + in flight
 
-(A last chunk shorter than the rest costs its own, shorter step.)
-
 It assumes nobody more urgent arrives meanwhile and no prefix-cache hits: a forecast of
 the queue as it stands.
 """
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from common.arith import cdiv
-from scheduler.queues import prefill_time_of
+from scheduler.queues import SLOQueue, prefill_time_of
 from scheduler.request import Request
 from scheduler.slo import slack
 from scheduler.step_cost import BatchShape, StepCostFn
@@ -96,10 +99,12 @@ class _Steps:
             shape.add(chunk, 0, samples=False)
         return self.cost(shape)
 
-    def prefill(self, tokens: int) -> float:
-        """Seconds of steps until `tokens` of prefill are computed."""
+    def prefill(self, tokens: int, fill: int = 0) -> float:
+        """Seconds of steps until `tokens` of prefill are computed, where `fill` tokens
+        more wait behind them to fill the last step's chunk."""
         full, rest = divmod(tokens, self.chunk)
-        return full * self.time(self.chunk) + (self.time(rest) if rest else 0.0)
+        last = self.time(min(rest + fill, self.chunk)) if rest else 0.0
+        return full * self.time(self.chunk) + last
 
 
 def _yielding(sched: Scheduler, now: float, own_slack: float | None) -> frozenset[str]:
@@ -119,19 +124,35 @@ def _yielding(sched: Scheduler, now: float, own_slack: float | None) -> frozense
     )
 
 
+def _todo(r: Request) -> int:
+    """Tokens a waiting request has to compute."""
+    return max(r.num_tokens - r.num_computed_tokens, 0)
+
+
+def _in_flight(sched: Scheduler, steps: _Steps) -> float:
+    """Seconds of the plans ahead of any arrival's first chunk while requests run: 1.5
+    steps (two plans in flight, the executing one half done on average), each carrying
+    what prefill there is up to a full chunk."""
+    if not sched.running:
+        return 0.0
+    work = sum(_prefill_left(r) for r in sched.running) + sum(_todo(r) for r in sched.waiting)
+    return 1.5 * steps.time(min(work, steps.chunk))
+
+
 def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own_blocks: int,
-                cost: StepCostFn, yielding: frozenset[str] = frozenset(),
+                cost: StepCostFn, steps: _Steps, yielding: frozenset[str] = frozenset(),
                 behind: frozenset[str] = frozenset()) -> float:
     """Seconds until the prefills of the running requests (but those in `behind`),
     `ahead`, and `own_tokens` more are done, where the running requests in `yielding` give
     up their blocks when asked (see the module docstring)."""
-    steps = _Steps(sched, cost)
     work = sum(_prefill_left(r) for r in sched.running if r.request_id not in behind)
-    work += sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in ahead)
-    planned = work + sum(_prefill_left(r) for r in sched.running if r.request_id in behind)
-    in_flight = 1.5 * steps.time(min(planned, steps.chunk)) if sched.running else 0.0  # planned
+    work += sum(_todo(r) for r in ahead)
+    later = sum(_prefill_left(r) for r in sched.running if r.request_id in behind)
+    queued = {id(r) for r in ahead}
+    later += sum(_todo(r) for r in sched.waiting if id(r) not in queued)
+    in_flight = _in_flight(sched, steps)
     work += own_tokens
-    prefill = steps.prefill(work)
+    prefill = steps.prefill(work, later)
     config = sched.config
     seats = len(sched.running) + len(sched.swapped) + len(ahead) + (1 if own_tokens else 0)
     seats -= config.max_num_seqs
@@ -149,7 +170,26 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
         wait = _samples_left(r) * decode_s
         if seats <= 0 and blocks <= 0:
             break
-    return max(prefill, wait + steps.prefill(own_tokens)) + in_flight
+    return max(prefill, wait + steps.prefill(own_tokens, later)) + in_flight
+
+
+def _not_demoted(sched: Scheduler, queue: SLOQueue, ahead: Sequence[Request], mine: float,
+                 now: float, steps: _Steps, behind: frozenset[str]) -> list[Request]:
+    """Those of `ahead` (in queue order) that still rank before a request whose key is
+    `mine` when their turn comes: one whose deadline is meetable now but lost before the
+    work ranked before it is done is demoted (key + demotion_s), behind `mine` if that is
+    later, and leaves the way free."""
+    work = sum(_prefill_left(r) for r in sched.running if r.request_id not in behind)
+    in_flight = _in_flight(sched, steps)
+    kept = []
+    for r in sorted(ahead, key=lambda r: queue.rank(r, now)):
+        start = queue.latest_start(r)
+        if (start is not None and start >= now and start + queue.demotion_s > mine
+                and now + in_flight + steps.prefill(work) > start):
+            continue
+        kept.append(r)
+        work += _todo(r)
+    return kept
 
 
 def first_token(sched: Scheduler, req: Request, now: float) -> float | None:
@@ -169,7 +209,10 @@ def first_token(sched: Scheduler, req: Request, now: float) -> float | None:
     if sched.config.scheduling_policy == "slo":  # their next chunks wait for this one's
         behind = frozenset(r.request_id for r in sched.running
                            if _prefill_left(r) and queue.rank(r, now) > mine)
-    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, yielding, behind)
+    steps = _Steps(sched, cost)
+    if isinstance(queue, SLOQueue):
+        ahead = _not_demoted(sched, queue, ahead, mine[0], now, steps, behind)
+    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, steps, yielding, behind)
 
 
 def admitted_within(sched: Scheduler, count: int, now: float) -> float | None:
@@ -180,4 +223,4 @@ def admitted_within(sched: Scheduler, count: int, now: float) -> float | None:
         return None
     queue = sched.waiting
     ahead = sorted(queue, key=lambda r: queue.rank(r, now))[:count]
-    return _serve_time(sched, ahead, 0, 0, cost)
+    return _serve_time(sched, ahead, 0, 0, cost, _Steps(sched, cost))

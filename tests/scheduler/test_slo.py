@@ -272,6 +272,35 @@ def test_the_first_token_forecast_adds_the_work_ahead_in_steps() -> None:
     assert late.request_id not in s.requests  # the check changes nothing
 
 
+@pytest.mark.parametrize(("demotion_s", "first_token"), [(10.0, 0.266 * 3), (0.0, 0.266 * 3 + 0.074)])
+def test_the_forecast_leaves_out_a_request_ahead_whose_deadline_is_lost_before_its_turn(
+        demotion_s: float, first_token: float) -> None:
+    # 10 ms a step + 1 ms a token (a prefill of n tokens: n ms), a 256-token budget.
+    # Keys (latest starts): "long" 512 tokens due at 1.0 s: 0.488; "tight" 256 due at 0.77:
+    # 0.514; the probe, 64 due at 2.0: 1.936. "long" takes two full steps (0.266 s each),
+    # so at 0.532 "tight" has lost its deadline: demoted to 0.514 + demotion_s. With 10 s
+    # that is behind the probe, whose 64 tokens go first in the third step, filled up with
+    # 192 of "tight"'s (0.266 s): first token at 0.798. Without demotion "tight" keeps its
+    # place: a third full step, then the probe's own (0.074 s).
+    cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", slo_demotion_s=demotion_s, max_step_ms=0.0,
+                          step_cost=Cost(step=0.01, token=0.001), reject_unmeetable=True)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("long", 512, 0.0, ttft=1.0, max_tokens=1))
+    s.add_request(_req("tight", 256, 0.0, ttft=0.77, max_tokens=1))
+    probe = _req("probe", 64, 0.0, ttft=2.0, max_tokens=2)
+    assert s.admission_check(probe, now=0.0) is None
+    assert probe.predicted_ttft == pytest.approx(first_token)
+    # and so it runs, each step taking the time the cost model says
+    s.add_request(probe)
+    now = 0.0
+    while probe.metrics.first_token_time is None:
+        plan = s.schedule(now=now)
+        now += cfg.step_cost.step + cfg.step_cost.token * sum(plan.num_scheduled_tokens.values())
+        s.update_from_output(plan, w.execute(plan), now=now)
+    assert probe.metrics.first_token_time == pytest.approx(first_token)
+
+
 def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
     # one seat; the running request has 20 predicted outputs to go at 11 ms a decode step
     # (10 ms + 1 ms for its token... plus the chunk the backlog's steps carry).
@@ -333,7 +362,8 @@ def test_a_full_queue_predicts_when_it_has_room() -> None:
     s = Scheduler(cfg)
     for i in range(3):
         s.add_request(_req(f"w{i}", 200, float(i)))
-    # the first two leave after 400 tokens: 0.266 + 0.154 s (nothing runs: nothing in flight)
-    assert s.admission_wait(2, now=0.0) == pytest.approx(0.266 + 0.154)
+    # the first two leave after 400 tokens: two steps (nothing runs: nothing in flight), the
+    # second's 144 filled up to 256 with the third's first chunk: 0.266 + 0.266 s
+    assert s.admission_wait(2, now=0.0) == pytest.approx(0.266 + 0.266)
     assert Scheduler(SchedulerConfig()).admission_wait(1, now=0.0) is None
     assert math.isfinite(s.admission_wait(3, now=0.0) or math.inf)
