@@ -1,13 +1,21 @@
 # stepserve: the OpenAI-compatible server on the bundled SmolLM2-135M-Instruct (CPU by default).
 #   docker build -t stepserve:cpu .
 #   docker build -t stepserve:gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
-FROM python:3.11-slim
+# Where no image can be pulled (deploy/README.md, "Without a registry of images"): a Debian
+# base built locally and torch's CPU wheel from a folder served on loopback:
+#   docker build --network host -t stepserve:cpu --build-arg BASE_IMAGE=stepserve-base:bookworm \
+#       --build-arg TORCH_FIND_LINKS=http://127.0.0.1:8765/ .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A pip --find-links location holding torch's CPU wheel (torch-2.13.0+cpu); empty: TORCH_INDEX_URL.
+ARG TORCH_FIND_LINKS=
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
     STEPSERVE_MODEL_CACHE=/var/cache/stepserve \
     TORCH_EXTENSIONS_DIR=/var/cache/stepserve/torch_extensions \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/stepserve/inductor \
@@ -18,11 +26,20 @@ WORKDIR /app
 # A C++ compiler: the CPU kernels (worker/kernels/csrc) are built below, again at the first start
 # on a CPU with other vector flags, and the compiled forward is built on the first start (served
 # eagerly meanwhile, then kept under /var/cache/stepserve/aot); without one both stay eager.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# A plain Debian base has no Python: its python3 (3.11 on bookworm) and headers come from apt.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+        $(command -v python3 >/dev/null || echo python3 python3-venv python3-dev) \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
 
-# torch first, from its own index (the CPU build unless TORCH_INDEX_URL says otherwise), so the
+# torch first, from its own index or folder (the CPU build unless told otherwise), so the
 # project's exact pin is already satisfied and pip never pulls a CUDA build from PyPI.
-RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then \
+        pip install "torch==2.13.0+cpu" --find-links "${TORCH_FIND_LINKS}"; \
+    else \
+        pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"; \
+    fi
 
 COPY pyproject.toml README.md ./
 COPY common/ common/

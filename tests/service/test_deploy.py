@@ -71,7 +71,7 @@ def test_dockerfile_copies_every_package_the_project_installs() -> None:
 
 
 def test_prometheus_scrapes_the_servers() -> None:
-    config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
+    config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
     (job,) = (j for j in config["scrape_configs"] if j["job_name"] == "stepserve")
     assert job["metrics_path"] == "/metrics"
     assert "stepserve:8000" in job["static_configs"][0]["targets"]

@@ -195,7 +195,7 @@ def test_compose_replicas_profile_routes_and_scrapes_every_replica() -> None:
     urls = urls[: next((i for i, u in enumerate(urls) if u.startswith("--")), len(urls))]
     assert urls == [f"http://{name}:8000" for name in REPLICAS]
     assert set(services["router"]["depends_on"]) == set(REPLICAS)
-    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     targets = {t for sc in jobs["stepserve"]["static_configs"] for t in sc["targets"]}
     assert {f"{name}:8000" for name in REPLICAS} <= targets
@@ -265,3 +265,17 @@ def test_every_referenced_metric_is_on_a_live_replica(tmp_path: Path,
     info = re.search(r'^stepserve:cache_config_info\{([^}]*)\}', page, re.MULTILINE)
     assert info and "block_size=" in info[1] and "num_gpu_blocks=" in info[1]  # labels the EPP reads
     assert re.search(r'^stepserve:num_requests_running\{[^}]*model_name="', page, re.MULTILINE)
+
+
+def test_images_build_from_a_local_base_and_prometheus_from_debian() -> None:
+    """The build arguments that let every image build from a Debian base made locally
+    (deploy/README.md, "Without a registry of images"), defaults unchanged elsewhere."""
+    for dockerfile, default in (("Dockerfile", "python:3.11-slim"), ("deploy/router/Dockerfile", "python:3.11-slim"),
+                                ("deploy/prometheus/Dockerfile", "debian:bookworm-slim")):
+        text = (REPO / dockerfile).read_text()
+        assert f"ARG BASE_IMAGE={default}" in text and "FROM ${BASE_IMAGE}" in text, dockerfile
+    assert "ARG TORCH_FIND_LINKS=\n" in (REPO / "Dockerfile").read_text()
+    local = yaml.safe_load((DEPLOY / "compose.local.yml").read_text())["services"]
+    assert set(local) == {"prometheus"}
+    assert (REPO / local["prometheus"]["build"]["context"] / "Dockerfile").is_file()
+    assert (DEPLOY / "local-base" / "build.sh").stat().st_mode & 0o111
