@@ -62,10 +62,15 @@ def _prefill_left(req: Request) -> int:
     return n if n > 1 else 0
 
 
+def _todo(r: Request) -> int:
+    """Tokens a waiting request has to compute."""
+    return max(r.num_tokens - r.num_computed_tokens, 0)
+
+
 class _Steps:
     """Steps as they run now: the running decodes plus prefill chunks of up to `chunk`
     tokens, the longest the step's time limit allows (the token budget when nothing
-    decodes or there is no limit)."""
+    decodes or there is no limit), and the time of the plans already in flight."""
 
     def __init__(self, sched: Scheduler, cost: StepCostFn) -> None:
         self.cost = cost
@@ -91,6 +96,14 @@ class _Steps:
                 else:
                     hi = mid - 1
             self.chunk = lo
+        # the plans ahead of any arrival's first chunk while requests run: 1.5 steps (two
+        # in flight, the executing one half done on average), each carrying what prefill
+        # there is, up to a full chunk
+        self.in_flight = 0.0
+        if sched.running:
+            work = sum(_prefill_left(r) for r in sched.running)
+            work += sum(_todo(r) for r in sched.waiting)
+            self.in_flight = 1.5 * self.time(min(work, self.chunk))
 
     def time(self, chunk: int) -> float:
         """One step's predicted time with a prefill chunk of `chunk` tokens (0: none)."""
@@ -124,21 +137,6 @@ def _yielding(sched: Scheduler, now: float, own_slack: float | None) -> frozense
     )
 
 
-def _todo(r: Request) -> int:
-    """Tokens a waiting request has to compute."""
-    return max(r.num_tokens - r.num_computed_tokens, 0)
-
-
-def _in_flight(sched: Scheduler, steps: _Steps) -> float:
-    """Seconds of the plans ahead of any arrival's first chunk while requests run: 1.5
-    steps (two plans in flight, the executing one half done on average), each carrying
-    what prefill there is up to a full chunk."""
-    if not sched.running:
-        return 0.0
-    work = sum(_prefill_left(r) for r in sched.running) + sum(_todo(r) for r in sched.waiting)
-    return 1.5 * steps.time(min(work, steps.chunk))
-
-
 def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own_blocks: int,
                 cost: StepCostFn, steps: _Steps, yielding: frozenset[str] = frozenset(),
                 behind: frozenset[str] = frozenset()) -> float:
@@ -150,7 +148,7 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     later = sum(_prefill_left(r) for r in sched.running if r.request_id in behind)
     queued = {id(r) for r in ahead}
     later += sum(_todo(r) for r in sched.waiting if id(r) not in queued)
-    in_flight = _in_flight(sched, steps)
+    in_flight = steps.in_flight
     work += own_tokens
     prefill = steps.prefill(work, later)
     config = sched.config
@@ -180,12 +178,11 @@ def _not_demoted(sched: Scheduler, queue: SLOQueue, ahead: Sequence[Request], mi
     work ranked before it is done is demoted (key + demotion_s), behind `mine` if that is
     later, and leaves the way free."""
     work = sum(_prefill_left(r) for r in sched.running if r.request_id not in behind)
-    in_flight = _in_flight(sched, steps)
     kept = []
     for r in sorted(ahead, key=lambda r: queue.rank(r, now)):
         start = queue.latest_start(r)
         if (start is not None and start >= now and start + queue.demotion_s > mine
-                and now + in_flight + steps.prefill(work) > start):
+                and now + steps.in_flight + steps.prefill(work) > start):
             continue
         kept.append(r)
         work += _todo(r)
