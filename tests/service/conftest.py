@@ -5,15 +5,6 @@ subprocesses on free ports."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from live_servers import LiveServer, start_live_server
 from worker_modes import REFERENCE_FLAGS
 
 from scheduler.scheduler import Scheduler
@@ -32,7 +24,6 @@ from service.engine.stream import DEFAULT_MAX_BUFFERED_TOKENS
 from service.http.app import create_app
 from service.http.state import STATE, AppConfig, EngineFactory, LoadedEngine, ServiceState
 
-REPO = Path(__file__).resolve().parents[2]
 INSTANT = "worker.execution.instant_runner:InstantRunner"
 DEBUG_CONFIG = AppConfig(enable_debug_endpoints=True)
 
@@ -190,68 +181,6 @@ async def kv_free(client: TestClient) -> dict[str, Any]:
 # -- live servers -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class LiveServer:
-    """A `stepserve serve` subprocess."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def get_json(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        req = urllib.request.Request(self.url + path, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-
-def start_live_server(tmp: Path, *args: str, timeout: float = 240.0, compiled: bool = False,
-                      env: dict[str, str] | None = None) -> LiveServer:
-    """Start `stepserve serve` on a free port (its environment updated by `env`) and wait
-    for /health 200. The forward runs eagerly unless `compiled` (building it takes a minute
-    or two of the suite's two cores; the compiled path has its own end-to-end test)."""
-    port = free_port()
-    log_path = tmp / f"serve-{port}.log"
-    eager = () if compiled else ("--enforce-eager",)
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--enable-debug-endpoints", *eager, *args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    server = LiveServer(proc, port, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if server.get_json("/health")[0] == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(0.25)
-    server.stop()
-    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
-
-
 @pytest.fixture
 def start_server() -> Iterator[Callable[..., LiveServer]]:
     """`start_server(tmp_path, *flags)`; any server still running at the end is killed."""
@@ -267,26 +196,6 @@ def start_server() -> Iterator[Callable[..., LiveServer]]:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
-
-
-@pytest.fixture(scope="module")
-def default_live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """`stepserve serve` on its defaults, compiled forward included (one per test module),
-    with a cache of compiled forwards of its own: it starts eagerly, builds the compiled
-    forward in the background and swaps it in; returned once that happened or failed, with
-    `first_health` (its first /health 200 body) and `aot_cache` set."""
-    tmp = tmp_path_factory.mktemp("defaults")
-    aot_cache = tmp / "aot"
-    server = start_live_server(tmp, "--max-num-seqs", "16", timeout=600.0, compiled=True,
-                               env={"STEPSERVE_AOT_CACHE": str(aot_cache)})
-    server.first_health = server.get_json("/health")[1]  # type: ignore[attr-defined]
-    server.aot_cache = aot_cache  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 900
-    while server.get_json("/health")[1].get("compiling") and time.monotonic() < deadline:
-        time.sleep(1)
-    yield server
-    code = server.stop()
-    assert code == 0, server.log()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from live_servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # The instant stand-in at 10 ms a step (tests/support/standin_runners.py): long streams stay running.
@@ -49,12 +50,6 @@ def smg_executable() -> str | None:
     """The `smg` command of this interpreter's environment (or PATH), if installed."""
     beside = Path(sys.executable).with_name("smg")
     return str(beside) if beside.exists() else shutil.which("smg")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(url: str, timeout: float = 10.0) -> tuple[int, Any]:

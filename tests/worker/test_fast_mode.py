@@ -35,12 +35,19 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 @pytest.fixture(scope="module")
-def fast_runner() -> Any:
-    """The defaults, as `stepserve serve` builds them (probe, quantization, compiled forward)."""
+def fast_runner(default_live_server: Any) -> Any:
+    """The defaults, as `stepserve serve` builds them (probe, quantization, compiled forward):
+    the compiled forward is the one the session's default server built, loaded rather than
+    compiled again (its shapes depend on the model length, left at the server's default, not
+    on the KV cache's size)."""
     from worker.execution.model_runner import ModelRunner
 
-    return ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=64 << 20, max_model_len=1024, num_threads=2,
-                                    compile_wait=True))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STEPSERVE_AOT_CACHE", str(default_live_server.aot_cache))
+        runner = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=256 << 20, num_threads=2, compile_wait=True))
+    if runner.compiled:
+        assert "loaded from" in runner.compile_note, runner.compile_note
+    return runner
 
 
 def _teacher_forced(runner: Any, tokens: list[int], decode_from: int | None) -> list[int]:
