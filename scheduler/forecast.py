@@ -7,7 +7,8 @@ The model, from what the scheduler holds now and its step-cost model::
 
     work ahead  = prompt tokens still to compute of the running requests (under slo, of
                   those the queue ranks before it: the others' chunks wait for its own),
-                  of the waiting requests the queue ranks before it, and its own
+                  of the waiting requests the queue ranks before it, and its own; a
+                  waiting request's (and its own) past the prefix the cache holds for it
     demoted     = under slo, a waiting request ranked before it whose deadline is still
                   meetable but lost before the work ranked before that request is done:
                   it will be demoted behind this one, so it is not work ahead
@@ -29,8 +30,9 @@ The model, from what the scheduler holds now and its step-cost model::
                   the one executing is (on average) half done
     forecast    = max(prefill, seats + its own prefill) + in flight
 
-It assumes nobody more urgent arrives meanwhile and no prefix-cache hits: a forecast of
-the queue as it stands.
+It assumes nobody more urgent arrives meanwhile, and a waiting request's prefix-cache hit
+as it was when first forecast (a hit evicted, or grown, since is not foreseen): a forecast
+of the queue as it stands.
 """
 
 from __future__ import annotations
@@ -62,9 +64,15 @@ def _prefill_left(req: Request) -> int:
     return n if n > 1 else 0
 
 
-def _todo(r: Request) -> int:
-    """Tokens a waiting request has to compute."""
-    return max(r.num_tokens - r.num_computed_tokens, 0)
+def _todo(sched: Scheduler, r: Request) -> int:
+    """Tokens a waiting request has to compute: past what it computed, and past the prefix
+    the cache held for it when a forecast first looked (looked up again after a preemption
+    or once its tokens change: a lookup walks every cached block of the prompt, and a
+    forecast reads every waiting request)."""
+    key = (r.num_tokens, r.metrics.num_preemptions)
+    if r.forecast_hit[:2] != key:
+        r.forecast_hit = (*key, len(sched.kv.find_cached_prefix(r)) * sched.config.block_size)
+    return max(r.num_tokens - max(r.num_computed_tokens, r.forecast_hit[2]), 0)
 
 
 class _Steps:
@@ -102,7 +110,7 @@ class _Steps:
         self.in_flight = 0.0
         if sched.running:
             work = sum(_prefill_left(r) for r in sched.running)
-            work += sum(_todo(r) for r in sched.waiting)
+            work += sum(_todo(sched, r) for r in sched.waiting)
             self.in_flight = 1.5 * self.time(min(work, self.chunk))
 
     def time(self, chunk: int) -> float:
@@ -144,10 +152,10 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     `ahead`, and `own_tokens` more are done, where the running requests in `yielding` give
     up their blocks when asked (see the module docstring)."""
     work = sum(_prefill_left(r) for r in sched.running if r.request_id not in behind)
-    work += sum(_todo(r) for r in ahead)
+    work += sum(_todo(sched, r) for r in ahead)
     later = sum(_prefill_left(r) for r in sched.running if r.request_id in behind)
     queued = {id(r) for r in ahead}
-    later += sum(_todo(r) for r in sched.waiting if id(r) not in queued)
+    later += sum(_todo(sched, r) for r in sched.waiting if id(r) not in queued)
     in_flight = steps.in_flight
     work += own_tokens
     prefill = steps.prefill(work, later)
@@ -185,7 +193,7 @@ def _not_demoted(sched: Scheduler, queue: SLOQueue, ahead: Sequence[Request], mi
                 and now + steps.in_flight + steps.prefill(work) > start):
             continue
         kept.append(r)
-        work += _todo(r)
+        work += _todo(sched, r)
     return kept
 
 
@@ -209,7 +217,7 @@ def first_token(sched: Scheduler, req: Request, now: float) -> float | None:
     steps = _Steps(sched, cost)
     if isinstance(queue, SLOQueue):
         ahead = _not_demoted(sched, queue, ahead, mine[0], now, steps, behind)
-    return _serve_time(sched, ahead, req.num_tokens, own_blocks, cost, steps, yielding, behind)
+    return _serve_time(sched, ahead, _todo(sched, req), own_blocks, cost, steps, yielding, behind)
 
 
 def admitted_within(sched: Scheduler, count: int, now: float) -> float | None:

@@ -81,6 +81,9 @@ class Request:
     slo: SLO = NO_SLO
     slo_resolved: bool = False  # `slo` holds the resolved objectives (resolved once)
     predicted_ttft: float | None = None  # seconds, forecast on arrival when there is a cost model
+    # (num_tokens, preemptions, prompt tokens the prefix cache held) when a forecast last
+    # looked it up
+    forecast_hit: tuple[int, int, int] = (-1, 0, 0)
     metrics: RequestMetrics = field(init=False)
     num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)
 

@@ -221,9 +221,10 @@ def cached_prefix_tokens(sched: Scheduler, req: Request) -> int:
 
 def forecast_ttft(sched: Scheduler, req: Request, now: float,
                   cost: StepCostFn | None = None) -> float:
-    """Seconds until `req`'s first token on `sched`, queued now, its prompt shortened by
-    the replica's prefix-cache hit. The forecast reads only the queue and the step-cost
-    model: the scheduler's own fit, or `cost` in its place."""
+    """Seconds until `req`'s first token on `sched`, queued now, past the replica's
+    prefix-cache hit (the forecast prices every prompt past its cached prefix). It reads
+    only the queue, the prefix cache and the step-cost model: the scheduler's own fit, or
+    `cost` in its place."""
     if cost is not None:
         config = sched.config
         sched.config = dataclasses.replace(config, step_cost=cost)
@@ -231,9 +232,9 @@ def forecast_ttft(sched: Scheduler, req: Request, now: float,
             return forecast_ttft(sched, req, now)
         finally:
             sched.config = config
-    hit = cached_prefix_tokens(sched, req)
-    probe = Request(req.request_id, req.prompt_token_ids[hit:], req.sampling_params,
-                    req.arrival_time, req.eos_token_ids, tenant=req.tenant, slo=req.slo)
+    probe = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                    req.arrival_time, req.eos_token_ids, tenant=req.tenant, slo=req.slo,
+                    block_hashes=req.block_hashes)  # hashed once for every replica
     # what `Scheduler.add_request` resolves before ranking a request (sjf and slo read it)
     probe.slo = sched.config.slo_classes.resolve(probe.slo, probe.tenant, probe.priority)
     probe.slo_resolved = True

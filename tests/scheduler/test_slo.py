@@ -12,6 +12,7 @@ import pytest
 from sched_driver import MirrorWorker, make_request
 
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.forecast import first_token as forecast_first_token
 from scheduler.queues import SLOQueue
 from scheduler.request import Request
 from scheduler.slo import (
@@ -270,6 +271,28 @@ def test_the_first_token_forecast_adds_the_work_ahead_in_steps() -> None:
     assert late.predicted_ttft == pytest.approx(0.266 + 0.154)
     assert wait == pytest.approx(0.42 - 0.2)
     assert late.request_id not in s.requests  # the check changes nothing
+
+
+def test_the_forecast_prices_prompts_past_their_cached_prefix() -> None:
+    # 10 ms a step + 1 ms a token, a 256-token budget, 16-token blocks, nothing running.
+    cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          step_cost=Cost(step=0.01, token=0.001))
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    shared = [200 + i for i in range(320)]
+    s.add_request(make_request("warm", 0, 1, prompt=shared))
+    while s.has_unfinished_requests():  # its 20 full blocks stay cached once it is done
+        plan = s.schedule(now=0.0)
+        s.update_from_output(plan, w.execute(plan), now=0.0)
+    s.add_request(make_request("ahead", 0, 8, prompt=[*shared, *range(600, 616)]))  # 16 to compute
+    # the waiting request ahead computes 16 tokens, not 336: one step of 16 + 100 (0.126 s),
+    # where 436 tokens would take a full step and one of 180 (0.456 s)
+    assert forecast_first_token(s, make_request("other", 100, 8), now=0.0) == pytest.approx(0.01 + 0.116)
+    # and an arrival that shares the prefix computes its own 32 tokens past it: 16 + 32
+    assert forecast_first_token(s, make_request("turn", 0, 8, prompt=[*shared, *range(700, 732)]), now=0.0) \
+        == pytest.approx(0.01 + 0.048)
+    # a request asking for its prompt's logprobs takes no hit, so its forecast has none either
+    whole = make_request("logprobs", 0, 8, prompt=[*shared, *range(700, 732)], prompt_logprobs=0)
+    assert forecast_first_token(s, whole, now=0.0) == pytest.approx(0.266 + 0.01 + 0.112)
 
 
 @pytest.mark.parametrize(("demotion_s", "first_token"), [(10.0, 0.266 * 3), (0.0, 0.266 * 3 + 0.074)])
