@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from smg_fleet import free_port, http_json, http_text, wait_for
+from live_servers import free_port
+from smg_fleet import http_json, http_text, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_IMAGE = "stepserve-base:bookworm"

@@ -25,12 +25,12 @@ from typing import Any
 
 import openai
 import pytest
+from live_servers import free_port
 from smg_fleet import (
     INSTANT_REPLICA,
     REAL_REPLICA,
     Replica,
     Router,
-    free_port,
     smg_executable,
     start_router,
     wait_for,
