@@ -51,7 +51,7 @@ class WorkerConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU what the start-up probe measures faster
     quantization: str = "auto"  # auto | none | gguf | int8 | int4 (see worker.model.weight_form)
     # gguf: auto | int8 | float32 activations in the low-bit products (auto: int8 where the CPU
-    # has AVX512-VNNI; see worker.model.linear.GGUFLinear)
+    # has AVX512-VNNI or AVX2; see worker.model.linear.GGUFLinear)
     gguf_activations: str = "auto"
     # gguf: steps of many tokens on a bf16 copy of the weights where the start-up probe
     # measures it faster (auto), above N tokens ("N"), or on the blocks at every width

@@ -150,7 +150,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    "auto: as measured at start-up (docs/cpu.md)")
     g.add_argument("--gguf-activations", default="auto", choices=GGUF_ACTIVATIONS,
                    help="activations in the gguf products (auto: int8 where the CPU has "
-                   "AVX512-VNNI, else float32; docs/cpu.md)")
+                   "AVX512-VNNI or AVX2, else float32; docs/cpu.md)")
     g.add_argument("--gguf-wide-steps", default="auto", metavar="|".join((*GGUF_WIDE_STEPS, "N")),
                    help="wide gguf steps on a bf16 weight copy (auto: from the width the "
                    "probe finds faster; N: above N tokens) or blocks; docs/cpu.md")

@@ -1,4 +1,4 @@
-"""The GGUF kernel with int8 activations (csrc/int8_linear.cpp, AVX512-VNNI CPUs): the
+"""The GGUF kernel with int8 activations (csrc/int8_linear.cpp, AVX512-VNNI or AVX2 CPUs): the
 tiled layout `worker.model.linear.tile_gguf` builds, products against float64 within the bound
 the two-level quantization allows (and no tighter path could fail), Q4_0 / Q4_1 / Q8_0 from
 GGUF bytes, row counts around the kernel's passes of 4 rows and outputs that leave a partial
@@ -16,7 +16,7 @@ from worker.model.linear import GGUFLinear, int8_supported, make_linear, tile_gg
 from worker.model.quant import QuantizedWeight, from_gguf, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not (available()[0] and int8_supported()),
-                                reason="the int8 kernel needs the CPU kernels built with AVX512-VNNI")
+                                reason="the int8 kernel needs the CPU kernels built with AVX512-VNNI or AVX2")
 
 
 def _gguf_like(weight: QuantizedWeight) -> QuantizedWeight:

@@ -13,7 +13,7 @@ from gguf_blocks import gguf_bytes, reference
 
 from worker.kernels.build import available
 from worker.model.linear import GGUFLinear, make_linear, pack_nibbles
-from worker.model.quant import from_gguf, quantize_int4, quantize_int8
+from worker.model.quant import QuantizedWeight, from_gguf, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"CPU kernels unavailable: {available()[1]}")
 
@@ -94,3 +94,19 @@ def test_rows_are_independent_of_the_batch(kind: str) -> None:
     alone = layer(x[:1])
     for m in (2, 3, 4, 5, 8, 9, 17, 64):
         assert torch.equal(layer(x[:m])[:1], alone), m
+
+
+def test_the_int8_activation_kernel_is_built_wherever_the_cpu_has_avx2() -> None:
+    """Every CPU the project runs on lists AVX2 with FMA and F16C (AVX-512 ones too), and the
+    int8-activation kernel has a path for each: the stored form is left for CPUs without."""
+    from pathlib import Path
+
+    from worker.model.linear import int8_supported
+
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    if not {"avx2", "fma", "f16c"}.issubset(flags):
+        pytest.skip("this CPU lacks AVX2, FMA or F16C")
+    assert int8_supported()
+    weight = QuantizedWeight("int4", torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), 32)
+    assert GGUFLinear.from_quantized(weight).tiled

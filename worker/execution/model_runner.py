@@ -367,7 +367,7 @@ class ModelRunner(PlanRunner):
             return "int8"
         if wanted == "int8":
             raise ValueError("gguf_activations=int8 needs the CPU kernels built with AVX512-VNNI "
-                             "(this CPU or build lacks it); use auto or float32")
+                             "or AVX2 (this CPU or build lacks both); use auto or float32")
         return "float32"
 
     def _build_model(self, weights: dict[str, Weight]) -> LlamaForCausalLM:

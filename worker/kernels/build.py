@@ -6,7 +6,8 @@ first use), loaded once per process.
     csrc/lowbit_linear.cpp    GGUF Q4 / Q8 blocks as stored times float32 activations
                               (worker.model.linear.GGUFLinear)
     csrc/int8_linear.cpp      GGUF Q4 / Q8 blocks re-laid in tiles times activations quantized
-                              to two int8 levels, integer dot products (AVX512-VNNI CPUs only)
+                              to two int8 levels, integer dot products (AVX512-VNNI, or
+                              AVX2's byte multiply-adds where the CPU lacks VNNI)
     csrc/pool_threads.cpp     the OpenMP helper threads' ids and the starvation watchdog
                               (worker.process.cpu_scheduling)
 
@@ -50,7 +51,7 @@ def isa_flags(cpuinfo: str) -> list[str]:
             break
     for name, needs, flags in _CAPABILITIES:
         if listed.issuperset(needs):
-            # integer dot products: csrc/int8_linear.cpp (built empty without them)
+            # csrc/int8_linear.cpp's vpdpbusd path (AVX2's byte multiply-adds without it)
             extra = ["-mavx512vnni"] if name == "AVX512" and "avx512_vnni" in listed else []
             return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", *flags, *extra]
     return ["-DCPU_CAPABILITY=DEFAULT"]

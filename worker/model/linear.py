@@ -4,7 +4,7 @@
     Int8       torch's weight-only int8 CPU kernel (one scale per output row)
     Int4       torch's weight-only int4 CPU kernel (groups of 32 along K, scale and zero)
     GGUF       stepserve's own kernels over GGUF's Q4 / Q8 blocks, float32 in and out: where
-               the CPU has AVX512-VNNI, the blocks re-laid in tiles of 16 rows and the
+               the CPU has AVX512-VNNI or AVX2, the blocks re-laid in tiles of 16 rows and the
                activations quantized to two int8 levels per block (csrc/int8_linear.cpp,
                integer dot products); elsewhere, or with float32 activations asked for, the
                blocks as stored times float32 activations (csrc/lowbit_linear.cpp)
@@ -233,7 +233,8 @@ class GGUFLinear(nn.Module):
 
 @functools.cache
 def int8_supported() -> bool:
-    """Whether csrc/int8_linear.cpp runs here (the kernels built, the CPU lists AVX512-VNNI)."""
+    """Whether csrc/int8_linear.cpp runs here (the kernels built, the CPU lists AVX512-VNNI or
+    AVX2 with FMA and F16C)."""
     from worker.kernels.build import available
 
     return available()[0] and bool(torch.ops.stepserve_cpu.int8_linear_supported())

@@ -4,7 +4,7 @@
     none          any       dense in dtype                      dense         dense (tied: shared)
     gguf          float32   the file's Q4_0/Q4_1/Q8_0 blocks    Q8_0 blocks   the file's form
                             (stepserve's kernels: tiled, int8   or dense      (tied: shared, or
-                            activations where AVX512-VNNI)                    a tiled copy)
+                            activations where AVX2 or VNNI)                   a tiled copy)
     int8          bfloat16  int8 per row (torch's kernel)       int8          int8 (tied: shared)
     int4          bfloat16  int4 group 32 (torch's kernel)      int8          int4
 
