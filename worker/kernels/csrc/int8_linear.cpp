@@ -47,12 +47,12 @@ namespace {
 
 constexpr int64_t kBlock = 32, kTile = 16;
 
-#if defined(SS_INT8_VNNI)
-constexpr int kRows = 4;  // rows of x per pass over a tile's block (their 8 chains overlap)
+#ifdef SS_INT8_LINEAR
 // Blocks read ahead by software prefetch (8 KB of Q4 codes, 16 KB of Q8): the hardware's
 // stream prefetch alone left a one-token step's products at ~30-36 GB/s of the 36-48 GB/s
 // two cores stream; 32 blocks ahead measured 0.74-0.91x the time of none (8: 0.92x, 16: 0.82x,
-// 48-96 no better), tiles being contiguous so the last blocks of one prefetch the next.
+// 48-96 no better; measured on AVX-512 CPUs, the AVX2 path uses the same), tiles being
+// contiguous so the last blocks of one prefetch the next.
 constexpr int64_t kAhead = 32;
 
 // base + bytes into L1, computed as an integer: the address may lie past the array's end,
@@ -67,6 +67,10 @@ struct Quantized {
   const float* s;      // [M, G] step of b
   const int32_t* sum;  // [M, G] sum over the block of 128 a + b
 };
+#endif
+
+#if defined(SS_INT8_VNNI)
+constexpr int kRows = 4;  // rows of x per pass over a tile's block (their 8 chains overlap)
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* a, int8_t* b, float* s, int32_t* sum) {
   const int64_t G = K / kBlock;
@@ -179,19 +183,6 @@ void run(const Quantized& x, int64_t M, int64_t K, const uint8_t* codes, const u
 // (<= 30,480) before one vpmaddwd. Q8's codes (q + 128, up to 255) would saturate vpmaddubsw,
 // so they are split into nibbles, c = 16 h + l, each summed in int16 like Q4's.
 constexpr int kRows = 2;  // rows of x per pass (accumulators: 16 ymm registers)
-constexpr int64_t kAhead = 32;
-
-inline void prefetch(const void* base, int64_t bytes) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + bytes), _MM_HINT_T0);
-}
-
-struct Quantized {
-  const int8_t* a;
-  const int8_t* b;
-  const float* s;
-  const int32_t* sum;
-};
-
 inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 
 inline float hmax(__m256 v) {
