@@ -61,6 +61,15 @@ inline void prefetch(const void* base, int64_t bytes) {
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + bytes), _MM_HINT_T0);
 }
 
+// a tile's block g + kAhead (codes, scales, Q4's offsets) into L1
+template <int Bits>
+inline void prefetch_ahead(const uint8_t* c, const uint16_t* dt, const uint16_t* mt, int64_t g) {
+  constexpr int64_t kBytes = Bits == 4 ? 256 : 512;
+  for (int64_t o = 0; o < kBytes; o += 64) prefetch(c, (g + kAhead) * kBytes + o);
+  prefetch(dt, (g + kAhead) * kTile * 2);
+  if constexpr (Bits == 4) prefetch(mt, (g + kAhead) * kTile * 2);
+}
+
 struct Quantized {
   const int8_t* a;     // [M, K] high level
   const int8_t* b;     // [M, K] residual
@@ -113,11 +122,7 @@ void tile_rows(const Quantized& x, int64_t K, const uint8_t* codes, const uint16
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if (i0 == 0) {  // the first pass over the tile brings it in; later passes find it cached
-      for (int64_t o = 0; o < kBytes; o += 64) prefetch(c, (g + kAhead) * kBytes + o);
-      prefetch(dt, (g + kAhead) * kTile * 2);
-      if constexpr (Bits == 4) prefetch(mt, (g + kAhead) * kTile * 2);
-    }
+    if (i0 == 0) prefetch_ahead<Bits>(c, dt, mt, g);  // the first pass brings the tile in; later ones find it cached
     __m512i w[8];
     if constexpr (Bits == 4) {
       for (int j = 0; j < 4; ++j) {
@@ -266,11 +271,7 @@ void tile_rows(const Quantized& x, int64_t K, const uint8_t* codes, const uint16
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if (i0 == 0) {
-      for (int64_t o = 0; o < kBytes; o += 64) prefetch(c, (g + kAhead) * kBytes + o);
-      prefetch(dt, (g + kAhead) * kTile * 2);
-      if constexpr (Bits == 4) prefetch(mt, (g + kAhead) * kTile * 2);
-    }
+    if (i0 == 0) prefetch_ahead<Bits>(c, dt, mt, g);
     for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of the tile
       __m256i w[Bits == 4 ? 8 : 16];
       if constexpr (Bits == 4) {
