@@ -106,7 +106,7 @@ def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> 
     return out
 
 
-def _meets_slos(rec: RequestRecord, goodput: dict[str, float]) -> bool:
+def meets_slos(rec: RequestRecord, goodput: dict[str, float]) -> bool:
     """Whether a successful request met every SLO in `goodput` (ms, inclusive)."""
     values = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2el": rec.e2el}
     return all(values[k] * 1000.0 <= slo for k, slo in goodput.items())
@@ -178,7 +178,7 @@ def summarize(
         bad = set(goodput) - set(GOODPUT_METRICS)
         if bad:
             raise ValueError(f"goodput SLOs must be ttft, tpot or e2el, got {sorted(bad)}")
-        summary["request_goodput"] = sum(_meets_slos(r, goodput) for r in done) / dur
+        summary["request_goodput"] = sum(meets_slos(r, goodput) for r in done) / dur
     summary.update(_peaks(done, records))
     series = {
         "ttft": [r.ttft for r in done],

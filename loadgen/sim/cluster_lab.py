@@ -13,9 +13,16 @@ Traces:
   (2 s + exponential, mean `--think-s`). The trace is open loop: under load a turn may
   arrive before its predecessor's answer is cached.
 
-Load: `--load X` sends X times the cluster's capacity, measured as the policy lab
-measures a server's (`policy_traces.capacity`: FCFS serves the trace with every request
-queued at once) on one replica, times the number of replicas.
+Load: `--load X` offers X times the cluster's capacity: one replica's, times the number of
+replicas. `--capacity goodput` (the default) is DistServe's goodput capacity: the highest
+rate one replica is offered at which 90% of the requests (`--capacity-attainment`) meet
+the SLO (`--goodput`, default the policy lab's ttft:2000 tpot:100), found by bisection
+over runs of the same trace; the rate is the trace's nominal one (a multi-turn trace's
+session rate times its mean turns, which its arrivals reach once sessions overlap).
+`--capacity all-at-once` is the policy lab's measure (`policy_traces.capacity`: FCFS
+serves the trace with every request queued at once): what a replica serves with a queue
+that never empties, whatever the requests wait, 1.3x the goodput capacity on the
+multi-turn trace.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from tqdm import tqdm
 
 from loadgen.distributions import arrival_times
 from loadgen.plotting import require_plots
+from loadgen.report import meets_slos, parse_goodput
 from loadgen.sim.cluster import Cluster, ClusterResult
+from loadgen.sim.policy_lab import DEFAULT_SLO
 from loadgen.sim.policy_traces import at_rate, capacity
 from loadgen.sim.routers import LOAD_SIGNALS, ROUTERS, make_router
 from loadgen.sim.setup import (
@@ -45,6 +54,7 @@ from loadgen.sim.step_cost import seeded_model
 from loadgen.workloads import WorkloadRequest
 
 TRACES = ("multi-turn", "workload")
+CAPACITIES = ("goodput", "all-at-once")
 TOKEN_ID_RANGE = (10, 32000)  # user and system text ids: clear of the simulator's 0 and 1
 
 
@@ -129,9 +139,54 @@ def offered_rate(workload: list[WorkloadRequest]) -> float:
 
 
 def replica_capacity(args: argparse.Namespace) -> float:
+    """One replica's capacity for the trace (req/s), by `args.capacity`."""
+    if args.capacity == "goodput":
+        return goodput_capacity(args)
+    return all_at_once_capacity(args)
+
+
+def all_at_once_capacity(args: argparse.Namespace) -> float:
     """Requests per second one replica serves of the trace, everything queued at once."""
     flags = _flags_for(args, trace_at(args, 1, None, None))
     return capacity(flags, trace_at(flags, 1, None, None))
+
+
+def attainment(args: argparse.Namespace, rate: float, slo: dict[str, float]) -> float:
+    """The share of the trace's requests that meet `slo` (ms) when one replica is offered
+    them at `rate` req/s (a request left unfinished misses)."""
+    workload = trace_at(args, 1, 1.0, rate)
+    records = run_cluster(args, 1, "round_robin", workload).records
+    return sum(r.success and meets_slos(r, slo) for r in records) / len(records)
+
+
+def goodput_capacity(args: argparse.Namespace, rel_tol: float = 0.02,
+                     max_runs: int = 16) -> float:
+    """DistServe's per-replica goodput capacity: the highest offered rate (req/s) at which
+    the share of requests meeting the SLO is at least `args.capacity_attainment`, to
+    within `rel_tol`, by bisection below the all-at-once capacity. A trace that meets the
+    SLO even when offered at that rate is bounded by throughput, not by the SLO: its
+    capacity is the all-at-once one."""
+    slo = parse_goodput(args.goodput or list(DEFAULT_SLO))
+    target = float(args.capacity_attainment)
+
+    def meets(rate: float) -> bool:
+        return attainment(args, rate, slo) >= target
+
+    hi = all_at_once_capacity(args)
+    if meets(hi):
+        return hi
+    lo, runs = hi / 2, 1
+    while not meets(lo):
+        if runs == max_runs:
+            raise ValueError(
+                f"--capacity goodput: fewer than {target:.0%} of the requests meet the SLO "
+                f"{' '.join(args.goodput or DEFAULT_SLO)} even at {lo:.3g} req/s")
+        hi, lo, runs = lo, lo / 2, runs + 1
+    while hi / lo > 1 + rel_tol and runs < max_runs:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+        runs += 1
+    return lo
 
 
 def _flags_for(args: argparse.Namespace, workload: list[WorkloadRequest]) -> argparse.Namespace:
@@ -169,8 +224,9 @@ def sweep(args: argparse.Namespace, replica_counts: Sequence[int], loads: Sequen
         for router in routers:
             bar.set_description(f"{n} x {router} @ {load:g}")
             summary = run_cluster(args, n, router, workload).summary()
-            rows.append({"replicas": n, "load": load, "replica_capacity": unit,
-                         "offered_req_s": offered_rate(workload), **summary})
+            rows.append({"replicas": n, "load": load, "capacity": args.capacity,
+                         "replica_capacity": unit, "offered_req_s": offered_rate(workload),
+                         **summary})
             bar.update()
     bar.close()
     return rows
@@ -236,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predicted_ttft's step cost: each replica's online fit (what a "
                         "server has), or the simulator's cost model (a perfect fit)")
     c.add_argument("--trace", choices=TRACES, default="multi-turn")
+    c.add_argument("--capacity", choices=CAPACITIES, default="goodput",
+                   help="what --load is a fraction of: goodput (the highest rate at which "
+                        "--capacity-attainment of one replica's requests meet --goodput), "
+                        "or all-at-once (FCFS serving every request queued at once)")
+    c.add_argument("--capacity-attainment", type=_share, default=0.9,
+                   help="the share of requests meeting the SLO at goodput capacity")
     c.add_argument("--load", default=None,
                    help="offered load as a fraction of cluster capacity; with --sweep "
                         "comma-separated (default: the flags' rate; sweep: 0.5,0.9)")
@@ -257,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--think-s", type=float, default=6.0, help="mean think time past 2 s")
     p.set_defaults(num_gpu_blocks=4096)
     return p
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _routers(text: str) -> list[str]:
@@ -286,8 +355,9 @@ def main(argv: list[str]) -> int:
         rows = []
         for router in tqdm(routers, disable=args.disable_tqdm or len(routers) == 1, unit="run"):
             summary = run_cluster(args, n, router, workload).summary()
-            rows.append({"replicas": n, "load": load, "replica_capacity": unit,
-                         "offered_req_s": offered_rate(workload), **summary})
+            rows.append({"replicas": n, "load": load, "capacity": args.capacity,
+                         "replica_capacity": unit, "offered_req_s": offered_rate(workload),
+                         **summary})
     table = format_table(rows)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))

@@ -3,13 +3,14 @@ worked examples of each policy's choice, a run's bookkeeping, and the command en
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from loadgen.sim import cluster_lab
+from loadgen.sim import cluster_lab, routers
 from loadgen.sim.cli import main as simulate
 from loadgen.sim.routers import (
     ROUTERS,
@@ -226,3 +227,71 @@ def test_cluster_command_sweeps_and_writes_table_json_and_plot(tmp_path: Path,
 def test_unknown_router_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert simulate(["cluster", "--router", "nearest"]) == 2
     assert "round_robin" in capsys.readouterr().err
+
+
+def test_predicted_ttft_keeps_a_session_home_within_the_tolerance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    replicas = [FakeReplica(), FakeReplica(), FakeReplica()]
+    cached = {id(replicas[0].sched): 0, id(replicas[1].sched): 1024, id(replicas[2].sched): 512}
+    forecasts: dict[int, float] = {}
+    monkeypatch.setattr(routers, "cached_prefix_tokens", lambda sched, req: cached[id(sched)])
+    monkeypatch.setattr(routers, "forecast_ttft",
+                        lambda sched, req, now, cost=None: forecasts[id(sched)])
+    router, req = PredictedTTFT(), request("x", [5] * 64)
+    a, b, c = (id(r.sched) for r in replicas)
+    forecasts.update({a: 0.100, b: 0.135, c: 0.120})  # home within 40 ms of the best
+    assert router.choose(req, replicas, 0.0) == 1
+    forecasts.update({a: 0.100, b: 0.150, c: 0.120})  # home 50 ms late: the next most cached
+    assert router.choose(req, replicas, 0.0) == 2
+    forecasts.update({a: 0.100, b: 0.150, c: 0.145})  # both late: the earliest
+    assert router.choose(req, replicas, 0.0) == 0
+
+
+def _capacity_args(*extra: str) -> argparse.Namespace:
+    return cluster_lab.build_parser().parse_args(
+        ["--sessions-per-replica", "12", "--system-len", "64", "--user-len", "8:32",
+         "--answer-len", "4:24", "--turns", "2:3", "--think-s", "0.5",
+         "--num-gpu-blocks", "64", *extra])
+
+
+@pytest.mark.parametrize("knee", [0.3, 7.3, 9.9])
+def test_goodput_capacity_bisects_to_the_highest_rate_meeting_the_attainment(
+        monkeypatch: pytest.MonkeyPatch, knee: float) -> None:
+    asked: list[float] = []
+
+    def attainment(args: object, rate: float, slo: dict[str, float]) -> float:
+        assert slo == {"ttft": 2000.0, "tpot": 100.0}  # the policy lab's SLO by default
+        asked.append(rate)
+        return 0.95 if rate <= knee else 0.85
+
+    monkeypatch.setattr(cluster_lab, "attainment", attainment)
+    monkeypatch.setattr(cluster_lab, "all_at_once_capacity", lambda args: 10.0)
+    cap = cluster_lab.goodput_capacity(_capacity_args())
+    assert knee / 1.02 <= cap <= knee
+    assert asked[0] == 10.0 and len(asked) <= 16
+
+
+def test_goodput_capacity_is_the_all_at_once_one_where_the_slo_never_binds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_lab, "attainment", lambda args, rate, slo: 1.0)
+    monkeypatch.setattr(cluster_lab, "all_at_once_capacity", lambda args: 10.0)
+    assert cluster_lab.goodput_capacity(_capacity_args()) == 10.0
+
+
+def test_goodput_capacity_on_a_trace_meets_the_attainment_there() -> None:
+    args = _capacity_args("--goodput", "ttft:20", "--capacity-attainment", "0.8")
+    cap = cluster_lab.goodput_capacity(args)
+    assert 0.0 < cap < cluster_lab.all_at_once_capacity(args)
+    assert cluster_lab.attainment(args, cap, {"ttft": 20.0}) >= 0.8
+
+
+def test_an_unreachable_slo_is_an_error_not_a_capacity(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["cluster", "--load", "0.9", "--goodput", "ttft:0.001", "--sessions-per-replica",
+            "3", "--system-len", "64", "--user-len", "8:32", "--answer-len", "4:24",
+            "--turns", "2:3", "--num-gpu-blocks", "64", "--disable-tqdm"]
+    assert simulate(argv) == 2
+    assert "meet the SLO ttft:0.001" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        simulate(["cluster", "--capacity-attainment", "1.5"])
+    assert "must be in (0, 1]" in capsys.readouterr().err
