@@ -77,8 +77,9 @@ def _todo(sched: Scheduler, r: Request) -> int:
 
 class _Steps:
     """Steps as they run now: the running decodes plus prefill chunks of up to `chunk`
-    tokens, the longest the step's time limit allows (the token budget when nothing
-    decodes or there is no limit), and the time of the plans already in flight."""
+    tokens, the longest the step's time limit allows (the token budget where there is no
+    limit, or nothing decodes but under slo), and the time of the plans already in
+    flight."""
 
     def __init__(self, sched: Scheduler, cost: StepCostFn) -> None:
         self.cost = cost
@@ -90,9 +91,11 @@ class _Steps:
         budget = max(config.max_num_batched_tokens - self.decodes.num_decode_tokens, 1)
         target = sched.step_target()
         limit = math.inf
-        if target is not None and self.decodes.num_decode_tokens:
+        held = config.scheduling_policy == "slo"  # prefill-only steps keep the target too
+        if target is not None and (self.decodes.num_decode_tokens or held):
             firm = sched.step_objective() is not None
-            limit = step_limit(target, cost(self.decodes), config.min_prefill_share, firm)
+            decode_s = cost(self.decodes) if self.decodes.num_decode_tokens else 0.0
+            limit = step_limit(target, decode_s, config.min_prefill_share, firm)
         if self.time(budget) <= limit:
             self.chunk = budget
         else:

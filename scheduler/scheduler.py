@@ -73,7 +73,8 @@ class Scheduler:
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
         cost, limit = config.step_cost, config.step_time_limit_s  # a limit > 0 implies a cost
-        self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share)
+        self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share,
+                                     hold_prefill_only=config.scheduling_policy == "slo")
                       if cost is not None and limit > 0 else None)
         self._prefill_time = prefill_time_of(config)
         self._plan_time = 0.0  # `now` of the plan being built (victims' slack)
@@ -208,7 +209,9 @@ class Scheduler:
 
     def _schedule_running(self, step: StepBuilder, now: float) -> list[Request]:
         """Every running request's decode, then (under the time budget) their prefill
-        chunks. Returns the running prefills to size after the waiting requests: under
+        chunks: under `slo` in the queue's order (least slack first: a chat's next chunk
+        goes before a batch prompt's, whichever was admitted first), else in the running
+        order. Returns the running prefills to size after the waiting requests: under
         `slo`, those the queue ranks behind its head (a chat's first chunk goes before a
         batch prompt's next one, as it would had both waited)."""
         deferred: list[Request] = []  # prefills under the time budget: sized after every decode
@@ -225,6 +228,8 @@ class Scheduler:
             scheduled, shift = self._fit(req, n, step, i)
             i += int(scheduled) - shift
         later: list[Request] = []
+        if deferred and self.config.scheduling_policy == "slo":
+            deferred.sort(key=lambda r: self._urgency(r, now))
         if deferred and self.config.scheduling_policy == "slo" and len(self.waiting):
             head = self._urgency(self.waiting.peek(now), now)
             now_or_later: tuple[list[Request], list[Request]] = ([], later)

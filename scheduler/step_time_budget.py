@@ -21,7 +21,10 @@ the objective of every request decoding in it; prefill then gets what the decode
 (at least the guaranteed chunk below). Once the decodes alone are over the objective it
 is lost for this step anyway, and the share's rule applies again.
 
-- Nothing decodes in the step: the chunk keeps the whole token budget (throughput).
+- Nothing decodes in the step: the chunk keeps the whole token budget (throughput), but
+  with `hold_prefill_only` (the slo policy) the target still holds: an urgent arrival
+  must not wait behind a prefill-only step of seconds (2,048 tokens take ~5 s on a
+  2-core CPU).
 - The first prefill of a step always gets at least up to its next block boundary (a whole
   block when its computed part is block-aligned, as it is after any time-capped chunk or
   prefix hit), even when the decodes alone are over the target: long prompts always finish.
@@ -55,12 +58,14 @@ class StepTimeBudget:
     """Per-scheduler state of the time budget; `begin_step` resets the per-step part."""
 
     def __init__(
-        self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0
+        self, target: float, cost: StepCostFn, block_size: int, prefill_share: float = 0.0,
+        hold_prefill_only: bool = False,
     ) -> None:
         self.target = target
         self.cost = cost
         self.block_size = block_size
         self.prefill_share = prefill_share
+        self.hold_prefill_only = hold_prefill_only  # a step without decodes keeps the target
         self.last_limit = target  # the limit of the last step that sized a chunk
         self.num_capped = 0  # prefill chunks shortened by the time budget
         self.num_decode_over_target = 0  # steps whose decodes alone were predicted over it
@@ -95,7 +100,8 @@ class StepTimeBudget:
         `num_blocks` what it swaps in first."""
         shape = step.shape if step.shape is not None else self._shape_of(step)
         shape.swap_blocks = len(step.swap_in) + len(step.swap_out) + num_blocks
-        if not shape.num_decode_tokens or self._fits(shape, context, n, end):
+        unbounded = not shape.num_decode_tokens and not self.hold_prefill_only
+        if unbounded or self._fits(shape, context, n, end):
             self._progressed = True
             return n
         bs = self.block_size

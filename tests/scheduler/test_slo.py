@@ -225,6 +225,53 @@ def test_under_slo_an_urgent_arrival_s_chunk_goes_before_a_running_prefill_s(pol
     assert plan.num_scheduled_tokens["decode"] == 1
 
 
+
+
+def test_under_slo_running_prefills_are_sized_least_slack_first() -> None:
+    # The same 50 ms steps: one decode and one 32-token chunk. The batch prompt is admitted
+    # first; the chat (64 tokens) after it, with its first chunk. Both are then running
+    # prefills, the batch prompt first in the running order; the chat's next chunk goes
+    # first, least slack first (1 s to its deadline against 60 s).
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", step_cost=Cost(step=0.01, token=0.001), max_step_ms=50.0,
+                          min_prefill_share=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("decode", 16, 0.0, max_tokens=500))
+    _decode_all(s, w)
+
+    def step() -> dict[str, int]:
+        plan = s.schedule(now=0.0)
+        s.update_from_output(plan, w.execute(plan), now=0.0)
+        return plan.num_scheduled_tokens
+
+    s.add_request(_req("batch", 600, 0.0, ttft=60.0, max_tokens=5))
+    assert step()["batch"] == 32
+    s.add_request(_req("chat", 64, 0.0, ttft=1.0, max_tokens=5))
+    assert step().get("chat") == 32  # its first chunk, before the batch prompt's next
+    assert [r.request_id for r in s.running] == ["decode", "batch", "chat"]
+    assert not len(s.waiting)
+    tokens = step()
+    assert tokens.get("chat") == 32 and tokens.get("batch", 0) == 0 and tokens["decode"] == 1
+
+
+
+@pytest.mark.parametrize(("policy", "chunk"), [
+    # Nothing decodes. Under slo the step keeps its 50 ms: 10 ms + 1 ms a token, 40 tokens
+    # fit, 32 at a block boundary; an arrival waits at most such a step. Under FCFS a step
+    # without decodes takes the whole prompt (600 tokens, 610 ms) for throughput.
+    ("slo", 32),
+    ("fcfs", 600),
+])
+def test_under_slo_a_prefill_only_step_keeps_the_step_target(policy: str, chunk: int) -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy=policy, step_cost=Cost(step=0.01, token=0.001), max_step_ms=50.0,
+                          min_prefill_share=0.5)
+    s = Scheduler(cfg)
+    s.add_request(_req("batch", 600, 0.0, ttft=60.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert plan.num_scheduled_tokens["batch"] == chunk
+
+
 def test_under_fcfs_the_target_stays_the_configured_one() -> None:
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_model_len=512, step_cost=Cost(), max_step_ms=300.0)
     s, w = Scheduler(cfg), MirrorWorker(16, 64)
