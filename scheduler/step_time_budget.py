@@ -69,7 +69,6 @@ class StepTimeBudget:
         self.last_limit = target  # the limit of the last step that sized a chunk
         self.num_capped = 0  # prefill chunks shortened by the time budget
         self.num_decode_over_target = 0  # steps whose decodes alone were predicted over it
-        self._progressed = False  # a prefill chunk is in this step already
         self._limit: float | None = None  # this step's limit, once known
         self._target = target  # this step's target
         self._firm = False  # this step's target is a TPOT objective
@@ -77,7 +76,6 @@ class StepTimeBudget:
     def begin_step(self, objective: float | None = None) -> None:
         """A new step, held to the TPOT `objective` in seconds (firm), else (None) to the
         configured target."""
-        self._progressed = False
         self._limit = None
         self._firm = objective is not None
         self._target = self.target if objective is None else objective
@@ -102,7 +100,6 @@ class StepTimeBudget:
         shape.swap_blocks = len(step.swap_in) + len(step.swap_out) + num_blocks
         unbounded = not shape.num_decode_tokens and not self.hold_prefill_only
         if unbounded or self._fits(shape, context, n, end):
-            self._progressed = True
             return n
         bs = self.block_size
         first = bs - context % bs  # the chunk that ends on the next block boundary
@@ -115,11 +112,13 @@ class StepTimeBudget:
                 hi = mid - 1
         if lo:
             m = first + (lo - 1) * bs
-        elif not self._progressed:
-            m = min(n, first)  # the one guaranteed chunk of the step
+        elif not shape.num_prefill_tokens:
+            # the one guaranteed chunk of the step: read from what the step holds, so that a
+            # chunk sized for a request that then could not fit (it preempted itself) does
+            # not use it up
+            m = min(n, first)
         else:
             return 0
-        self._progressed = True
         self.num_capped += 1
         return m
 

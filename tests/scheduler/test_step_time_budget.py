@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from sched_driver import EOS, MirrorWorker, drive, make_request
 
@@ -159,7 +159,11 @@ def test_capped_chunks_end_on_block_boundaries() -> None:
     assert budget.chunk(step, 0, 200, 200) == 32  # aligned: whole blocks
     tight = StepTimeBudget(17.0, FakeCost(), 16)
     assert tight.chunk(step, 37, 200, 237) == 11  # nothing fits: the one guaranteed chunk, to the boundary
+    assert tight.chunk(step, 37, 200, 237) == 11  # not yet in the step (it did not fit): still guaranteed
+    step.shape.add(11, 37, samples=False)  # the step holds it
     assert tight.chunk(step, 80, 200, 280) == 0  # a second prefill in the same step gets nothing
+    step.shape = BatchShape()
+    step.shape.add(1, 50, count=4)
     tight.begin_step()
     assert tight.chunk(step, 80, 5, 85) == 5  # a remainder shorter than a block runs whole
 
@@ -253,6 +257,15 @@ def _plan_shape(plan: SchedulerOutput, w: MirrorWorker, prompt_len: dict[str, in
 @settings(max_examples=int(__import__("os").environ.get("STEPSERVE_HYPOTHESIS_EXAMPLES", "300")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
+# Under slo, two running prefills and room for one guaranteed chunk a step: the urgent one
+# is sized first, runs out of blocks and preempts itself (the oldest is never the victim);
+# the step's one chunk must then go to the oldest, or the two livelock.
+@example((SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3, max_model_len=49, block_size=8,
+                          num_gpu_blocks=7, num_cpu_blocks=0, preemption_mode="recompute",
+                          enable_prefix_caching=False, long_prefill_token_threshold=0, max_step_ms=3000.0,
+                          step_cost=FakeCost(step=0.0, req=1.0, token=0.2, kv=0.0, swap=0.0),
+                          min_prefill_share=0.0, scheduling_policy="slo"),
+          [(3, 15, 4), (31, 18, 7), (1, 1, 0), (3, 15, 4), (29, 10, 6)], False))
 def test_time_budget_holds_and_every_request_finishes(scenario: tuple[SchedulerConfig, list[tuple[int, int, int]], bool]) -> None:
     cfg, specs, overlap = scenario
     cost, share = cfg.step_cost, cfg.min_prefill_share
