@@ -173,6 +173,13 @@ class SchedulerConfig:
         return self.max_step_ms / 1e3
 
     @property
+    def holds_prefill_only_steps(self) -> bool:
+        """Whether a step without decodes keeps the step-time target (the slo policy: an
+        urgent arrival must not wait behind a prefill-only step of seconds) instead of
+        taking the whole token budget."""
+        return self.scheduling_policy == "slo"
+
+    @property
     def recompute_cost(self) -> StepCostFn:
         """What prices a recompute under preemption_mode="auto": the step-cost model when
         there is one, else dense FLOPs at `compute_rate`."""

@@ -78,8 +78,8 @@ def _todo(sched: Scheduler, r: Request) -> int:
 class _Steps:
     """Steps as they run now: the running decodes plus prefill chunks of up to `chunk`
     tokens, the longest the step's time limit allows (the token budget where there is no
-    limit, or nothing decodes but under slo), and the time of the plans already in
-    flight."""
+    limit, or nothing decodes and the config does not hold prefill-only steps), and the
+    time of the plans already in flight."""
 
     def __init__(self, sched: Scheduler, cost: StepCostFn) -> None:
         self.cost = cost
@@ -91,7 +91,7 @@ class _Steps:
         budget = max(config.max_num_batched_tokens - self.decodes.num_decode_tokens, 1)
         target = sched.step_target()
         limit = math.inf
-        held = config.scheduling_policy == "slo"  # prefill-only steps keep the target too
+        held = config.holds_prefill_only_steps
         if target is not None and (self.decodes.num_decode_tokens or held):
             firm = sched.step_objective() is not None
             decode_s = cost(self.decodes) if self.decodes.num_decode_tokens else 0.0

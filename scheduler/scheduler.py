@@ -74,7 +74,7 @@ class Scheduler:
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
         cost, limit = config.step_cost, config.step_time_limit_s  # a limit > 0 implies a cost
         self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share,
-                                     hold_prefill_only=config.scheduling_policy == "slo")
+                                     hold_prefill_only=config.holds_prefill_only_steps)
                       if cost is not None and limit > 0 else None)
         self._prefill_time = prefill_time_of(config)
         self._plan_time = 0.0  # `now` of the plan being built (victims' slack)
@@ -230,12 +230,12 @@ class Scheduler:
         later: list[Request] = []
         if deferred and self.config.scheduling_policy == "slo":
             deferred.sort(key=lambda r: self._urgency(r, now))
-        if deferred and self.config.scheduling_policy == "slo" and len(self.waiting):
-            head = self._urgency(self.waiting.peek(now), now)
-            now_or_later: tuple[list[Request], list[Request]] = ([], later)
-            for r in deferred:
-                now_or_later[self._urgency(r, now) > head].append(r)
-            deferred = now_or_later[0]
+            if len(self.waiting):
+                head = self._urgency(self.waiting.peek(now), now)
+                now_or_later: tuple[list[Request], list[Request]] = ([], later)
+                for r in deferred:
+                    now_or_later[self._urgency(r, now) > head].append(r)
+                deferred = now_or_later[0]
         if deferred:
             self._schedule_deferred(step, deferred)
         return later
