@@ -15,7 +15,7 @@ import pytest
 from bench import worker_step
 from loadgen.sim.calibrate import StepSample, samples_from_bench
 from loadgen.sim.cli import main as simulate_main
-from loadgen.sim.cost_model import CostModel, get_hardware, get_model_shape
+from loadgen.sim.cost_model import OVERHEADS, CostModel, get_hardware, get_model_shape
 
 
 def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,9 +40,19 @@ def test_worker_step_grid_calibrates_a_profile(tmp_path: Path, capsys: pytest.Ca
     assert _rel_rmse(fitted, samples) == pytest.approx(fit["rel_rmse"], rel=1e-6)
     assert fit["rel_rmse"] <= _rel_rmse(CostModel(shape, get_hardware("cpu")), samples) + 1e-9
 
-    summaries = [_simulate(tmp_path, hardware, capsys) for hardware in (str(profile), "cpu")]
+    # The simulator reads the file it is given: the same profile with every cost doubled
+    # (half the roofs, twice the overheads) must slow its steps. Comparing with the "cpu"
+    # preset instead could tie: on steps that preset already fits best, the fit keeps it.
+    slower = tmp_path / "slower.json"
+    doubled = {**fitted.hardware.to_dict(), "name": "slower"}
+    for key in ("peak_flops", "memory_bandwidth", "host_bandwidth"):
+        doubled[key] = float(doubled[key]) / 2
+    for key in OVERHEADS:
+        doubled[key] = float(doubled[key]) * 2
+    slower.write_text(json.dumps({"profile": doubled}))
+    summaries = [_simulate(tmp_path, hardware, capsys) for hardware in (str(profile), str(slower))]
     assert all(s["completed"] == 6 and s["num_busy_steps"] > 0 for s in summaries)
-    assert summaries[0]["mean_step_ms"] != summaries[1]["mean_step_ms"]  # the profile is the one used
+    assert summaries[1]["mean_step_ms"] > 1.5 * summaries[0]["mean_step_ms"]
 
 
 def _rel_rmse(cost_model: CostModel, samples: list[StepSample]) -> float:
