@@ -13,7 +13,9 @@ The model, from what the scheduler holds now and its step-cost model::
                   meetable but lost before the work ranked before that request is done:
                   it will be demoted behind this one, so it is not work ahead
     one step    = the running decodes + the longest prefill chunk the step's time limit
-                  allows (the whole token budget when nothing decodes or there is no limit)
+                  allows (the whole token budget when nothing decodes or there is no limit);
+                  under slo, of the decodes that may sit out a step held to a TPOT
+                  objective, those the scheduler lets in while prefill waits
     prefill     = ceil(work ahead / chunk) steps of that step's predicted time; the last
                   step's chunk is filled up with the work ranked behind it, as the
                   scheduler fills it
@@ -46,7 +48,7 @@ from scheduler.queues import SLOQueue, prefill_time_of
 from scheduler.request import Request
 from scheduler.slo import slack
 from scheduler.step_cost import BatchShape, StepCostFn
-from scheduler.step_time_budget import step_limit
+from scheduler.step_time_budget import fitting_decodes, loose_cap, step_limit
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -84,8 +86,14 @@ class _Steps:
     def __init__(self, sched: Scheduler, cost: StepCostFn) -> None:
         self.cost = cost
         self.decodes = BatchShape()
+        tightest = sched.tightest_tpot()
+        loose: list[Request] = []  # decodes that may sit out a step (the scheduler's rule)
         for r in sched.running:
-            if not _prefill_left(r):
+            if _prefill_left(r):
+                continue
+            if tightest is not None and sched.sits_out(r, tightest):
+                loose.append(r)
+            else:
                 self.decodes.add(1, r.num_computed_tokens)
         config = sched.config
         budget = max(config.max_num_batched_tokens - self.decodes.num_decode_tokens, 1)
@@ -96,6 +104,15 @@ class _Steps:
             firm = sched.step_objective() is not None
             decode_s = cost(self.decodes) if self.decodes.num_decode_tokens else 0.0
             limit = step_limit(target, decode_s, config.min_prefill_share, firm)
+        if loose:  # those that join a step while prefill waits (the arrival's does)
+            loose.sort(key=lambda r: r.last_step)
+            contexts = [r.num_computed_tokens for r in loose]
+            context = max((r.num_computed_tokens for r in sched.running if _prefill_left(r)),
+                          default=0)
+            cap = loose_cap(cost, self.decodes, limit, config.block_size, context)
+            for ctx in contexts[:fitting_decodes(cost, self.decodes, contexts, cap)]:
+                self.decodes.add(1, ctx)
+            budget = max(config.max_num_batched_tokens - self.decodes.num_decode_tokens, 1)
         if self.time(budget) <= limit:
             self.chunk = budget
         else:

@@ -84,6 +84,7 @@ class Request:
     # (num_tokens, preemptions, prompt tokens the prefix cache held) when a forecast last
     # looked it up
     forecast_hit: tuple[int, int, int] = (-1, 0, 0)
+    last_step: int = -1  # the last step that computed for it (loose decodes take turns by it)
     metrics: RequestMetrics = field(init=False)
     num_tokens: int = field(init=False)  # prompt + outputs; kept by append_output (hot path)
 

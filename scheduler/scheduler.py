@@ -47,6 +47,10 @@ from scheduler.step_cost import BatchShape, overrun_of
 from scheduler.step_time_budget import StepTimeBudget
 from scheduler.victims import pick_victim, swap_is_cheaper
 
+# A request whose TPOT objective is at least this many times the tightest one decoding may
+# sit out steps held to the tightest: a gap of two such steps still meets its own objective.
+LOOSE_TPOT_FACTOR = 2.0
+
 
 class Scheduler:
     """Implements `scheduler.interface.SchedulerInterface`."""
@@ -147,11 +151,25 @@ class Scheduler:
         requests that decode, divided by the cost model's tail overrun (`overrun_of`: a
         step predicted at the objective would run over it about half the time): the next
         step's firm target (see StepTimeBudget); else None."""
+        tightest = self.tightest_tpot()
+        return None if tightest is None else tightest / overrun_of(self.config.step_cost)
+
+    def tightest_tpot(self) -> float | None:
+        """Under the slo policy with a time budget, the tightest TPOT objective (seconds)
+        among the running requests that decode; else None."""
         if self._time is None or self.config.scheduling_policy != "slo":
             return None
         tpots = [r.slo.tpot_s for r in self.running
                  if r.slo.tpot_s is not None and r.num_output_tokens + r.num_placeholders > 0]
-        return min(tpots) / overrun_of(self.config.step_cost) if tpots else None
+        return min(tpots) if tpots else None
+
+    @staticmethod
+    def sits_out(req: Request, tightest: float) -> bool:
+        """Whether decoding `req` may sit out a step held to the `tightest` TPOT objective:
+        it has no TPOT objective, or one that a gap of two such steps still meets."""
+        tpot = req.slo.tpot_s
+        return req.num_output_tokens + req.num_placeholders > 0 and (
+            tpot is None or tpot >= LOOSE_TPOT_FACTOR * tightest)
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         req = self.requests.get(request_id)
@@ -215,6 +233,8 @@ class Scheduler:
         `slo`, those the queue ranks behind its head (a chat's first chunk goes before a
         batch prompt's next one, as it would had both waited)."""
         deferred: list[Request] = []  # prefills under the time budget: sized after every decode
+        loose: list[Request] = []  # decodes that may sit out this step (slo)
+        tightest = self.tightest_tpot()
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
@@ -222,11 +242,20 @@ class Scheduler:
             if n > 1 and self._time is not None:
                 deferred.append(req)
                 n = 0
+            elif n == 1 and tightest is not None and self.sits_out(req, tightest):
+                loose.append(req)
+                n = 0
             if n == 0:
                 i += 1
                 continue
             scheduled, shift = self._fit(req, n, step, i)
             i += int(scheduled) - shift
+        if loose:
+            # the guaranteed prefill block comes after the longest running context that
+            # waits to prefill (an arrival's, from the start)
+            waits = bool(len(self.waiting)) or bool(self.swapped)
+            context = max((r.num_computed_tokens for r in deferred), default=0 if waits else None)
+            self._schedule_loose(step, loose, context)
         later: list[Request] = []
         if deferred and self.config.scheduling_policy == "slo":
             deferred.sort(key=lambda r: self._urgency(r, now))
@@ -239,6 +268,22 @@ class Scheduler:
         if deferred:
             self._schedule_deferred(step, deferred)
         return later
+
+    def _schedule_loose(
+        self, step: StepBuilder, loose: list[Request], prefill_context: int | None
+    ) -> None:
+        """Under slo, the decodes that may sit out a step held to a TPOT objective join it
+        longest-idle first while it stays within its limit (less one block of prefill after
+        `prefill_context` tokens, when prefill waits), and at least one joins: each of them
+        keeps decoding."""
+        time_budget = self._time
+        assert time_budget is not None  # loose decodes exist only under a time budget
+        loose.sort(key=lambda r: r.last_step)
+        contexts = [r.num_computed_tokens for r in loose]
+        k = time_budget.loose_decodes(step, contexts, prefill_context)
+        for req in loose[:k]:
+            if req.status == RequestStatus.RUNNING and step.budget > 0:
+                self._fit(req, 1, step, 0)
 
     def _schedule_deferred(
         self, step: StepBuilder, prefills: list[Request], preempt: bool = True
@@ -362,6 +407,7 @@ class Scheduler:
                     decode_kv += ctx + 1
             self.fairness_meter.charge(req, ctx + n, samples)
             req.num_computed_tokens = ctx + n
+            req.last_step = step.step_id
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self._known_to_worker.add(rid)

@@ -21,9 +21,9 @@ non-negative minimiser of::
   value instead of drifting to zero.
 
 A least-squares fit is right on average, so about half of the steps run over it. `overrun`
-says by how much at the tail: the 95th percentile of measured / predicted over the last
+says by how much at the tail: the 99th percentile of measured / predicted over the last
 256 steps. The slo policy divides a TPOT objective by it, so that steps held to the
-objective meet it at the tail and not only on average.
+objective meet it at the tail (a stream's p99 inter-token latency), not only on average.
 
 Pure Python (the scheduler's package imports no numpy): seven unknowns, a 7x7 normal
 matrix updated in O(49) per step and solved lazily, on the next prediction, with
@@ -49,7 +49,7 @@ _RIDGE = 1e-9
 _EWMA = 0.05  # the relative-error and outlier-scale running means: ~ the last 20 steps
 _MIN_LOG_SCALE = 0.05
 OVERRUN_WINDOW = 256  # steps
-OVERRUN_QUANTILE = 0.95
+OVERRUN_QUANTILE = 0.99
 MAX_OVERRUN = 2.0  # a storm of slow steps halves a TPOT-held step at most
 
 

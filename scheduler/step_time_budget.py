@@ -32,7 +32,11 @@ is lost for this step anyway, and the share's rule applies again.
   waits a step if the step holds a prefill chunk it would push over the target (`admit`).
 - A step whose decodes alone are predicted over the target is counted
   (`num_decode_over_target`), not split: only fewer running requests (`--max-num-seqs`)
-  make such steps shorter.
+  make such steps shorter. Under slo, a step held to a TPOT objective is the exception:
+  the decodes that may sit out (`Scheduler.sits_out`: no TPOT objective, or one at least
+  twice the tightest) join after the others only while the step stays within its limit,
+  less the step's guaranteed block of prefill while prefill waits (`loose_decodes`); the
+  one that has waited longest always joins, so each keeps decoding.
 - A preemption later in the step (its swap-out copies) can still push it over: victims
   are rare, and unscheduling one shortens the step too.
 
@@ -40,6 +44,8 @@ Chunk ends:  ctx=37, block 16 ─▶ candidates end at 48, 64, 80, ...: m = 11, 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from scheduler.step import StepBuilder
 from scheduler.step_cost import BatchShape, StepCostFn
@@ -52,6 +58,33 @@ def step_limit(target: float, decode_s: float, prefill_share: float, firm: bool)
     if not prefill_share or not decode_s or (firm and decode_s <= target):
         return target
     return max(target, decode_s / (1.0 - prefill_share))
+
+
+def loose_cap(
+    cost: StepCostFn, shape: BatchShape, limit: float, block: int, context: int | None
+) -> float:
+    """The time the decodes that may sit out a step fill it to: its `limit`, less what a
+    `block` of prefill after `context` tokens (None: no prefill waits) adds to a step
+    holding `shape`."""
+    if context is None:
+        return limit
+    with_block = shape.copy()
+    with_block.add(block, context, samples=False)
+    return limit - (cost(with_block) - cost(shape))
+
+
+def fitting_decodes(
+    cost: StepCostFn, shape: BatchShape, contexts: Sequence[int], cap: float
+) -> int:
+    """How many decodes (after `contexts` tokens each, in order) join a step holding `shape`:
+    the first always (every request keeps decoding), each next while the step's predicted
+    time stays within `cap` seconds."""
+    trial = shape.copy()
+    for k, ctx in enumerate(contexts):
+        trial.add(1, ctx)
+        if k and cost(trial) > cap:
+            return k
+    return len(contexts)
 
 
 class StepTimeBudget:
@@ -81,8 +114,9 @@ class StepTimeBudget:
         self._target = self.target if objective is None else objective
 
     def limit(self, shape: BatchShape) -> float:
-        """The step's limit, fixed at its first chunk or admission, when `shape` holds the
-        step's decodes and nothing else (the scheduler schedules every decode first)."""
+        """The step's limit, fixed at its first chunk, admission or loose decode, when
+        `shape` holds the step's decodes and nothing else (the scheduler schedules every
+        decode first; under slo, every decode that may not sit out)."""
         if self._limit is None:
             limit = self._target
             if self.prefill_share and shape.num_decode_tokens:
@@ -136,6 +170,17 @@ class StepTimeBudget:
         trial.add(n, context, context + n == end)
         trial.swap_blocks = len(step.swap_in) + len(step.swap_out) + num_blocks
         return n if self.cost(trial) <= self.limit(shape) else 0
+
+    def loose_decodes(
+        self, step: StepBuilder, contexts: Sequence[int], prefill_context: int | None
+    ) -> int:
+        """How many of the decodes that may sit out this step (after `contexts` tokens
+        each, in the order they would join) join it: see `fitting_decodes`; the cap is the
+        step's limit, less the step's one guaranteed block of prefill after
+        `prefill_context` tokens (None: no prefill waits)."""
+        shape = step.shape if step.shape is not None else self._shape_of(step)
+        cap = loose_cap(self.cost, shape, self.limit(shape), self.block_size, prefill_context)
+        return fitting_decodes(self.cost, shape, contexts, cap)
 
     def count_decodes(self, num_decodes: int, kv_tokens: int) -> None:
         """After a step is planned: its `num_decodes` decodes read `kv_tokens` in all."""

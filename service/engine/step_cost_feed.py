@@ -144,7 +144,7 @@ class _StepTimeMetrics:
         )
         self.overrun = gauge(
             "step_time_overrun",
-            "measured / predicted step time, 95th percentile of the last 256 steps (>= 1): "
+            "measured / predicted step time, 99th percentile of the last 256 steps (>= 1): "
             "the slo policy divides TPOT objectives by it.",
         )
         self.target = gauge(

@@ -169,7 +169,7 @@ def test_a_tpot_objective_is_not_stretched_by_the_prefill_share_while_the_decode
 
 @dataclass(frozen=True)
 class OverrunCost(Cost):
-    """A cost model whose steps run `tail` x over its predictions at the 95th percentile."""
+    """A cost model whose steps run `tail` x over its predictions at the tail."""
 
     tail: float = 1.0
 
@@ -270,6 +270,65 @@ def test_under_slo_a_prefill_only_step_keeps_the_step_target(policy: str, chunk:
     s.add_request(_req("batch", 600, 0.0, ttft=60.0, max_tokens=5))
     plan = s.schedule(now=0.0)
     assert plan.num_scheduled_tokens["batch"] == chunk
+
+
+def _step(s: Scheduler, w: MirrorWorker) -> set[str]:
+    plan = s.schedule(now=0.0)
+    s.update_from_output(plan, w.execute(plan), now=0.0)
+    return set(plan.num_scheduled_tokens)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Seconds: `step` per step, `decode` per decode, `token` per prefill token."""
+
+    step: float = 0.01
+    decode: float = 0.01
+    token: float = 0.0005
+
+    def __call__(self, b: BatchShape) -> float:
+        return self.step + self.decode * b.num_decode_tokens + self.token * b.num_prefill_tokens
+
+
+@pytest.mark.parametrize(("policy", "tpot2", "per_step", "with_prompt", "chunk"), [
+    # 10 ms a step + 10 ms a decode, held to the chat's 50 ms. The chat and a stream with a
+    # 90 ms objective (under twice 50: a skipped step would miss it) decode every step:
+    # 30 ms. The batch decodes (no TPOT objective) join while the step stays within 50 ms:
+    # two a step, longest idle first, so each of the six decodes every third step. With a
+    # prompt waiting they leave room for its guaranteed block (16 x 0.5 ms = 8 ms: 42 ms):
+    # one joins (the first always does), and the prompt's chunk fills the rest to 50 ms,
+    # 20 tokens cut to the block boundary: 16.
+    ("slo", 0.09, 2, 1, 16),
+    # A 100 ms objective meets a gap of two 50 ms steps: that stream takes turns too, and
+    # three of the seven join each step (two with the prompt waiting).
+    ("slo", 0.1, 3, 2, 16),
+    # Under FCFS every running request decodes in every step (90 ms), and the prompt's
+    # chunk fills the 300 ms target: 420 tokens cut to the block boundary: 416.
+    ("fcfs", 0.09, 6, 6, 416),
+])
+def test_under_slo_decodes_without_a_tight_objective_take_turns_in_a_held_step(
+        policy: str, tpot2: float, per_step: int, with_prompt: int, chunk: int) -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy=policy, step_cost=DecodeCost(), max_step_ms=300.0,
+                          min_prefill_share=0.5)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("chat", 16, 0.0, tpot=0.05, max_tokens=500))
+    s.add_request(_req("chat2", 16, 0.0, tpot=tpot2, max_tokens=500))
+    batch = {f"batch{i}" for i in range(6)}
+    for rid in sorted(batch):
+        s.add_request(_req(rid, 16, 0.0, max_tokens=500))
+    _decode_all(s, w)
+    loose = batch | ({"chat2"} if policy == "slo" and tpot2 >= 0.1 else set())
+    steps = [_step(s, w) for _ in range(6)]
+    for step in steps:
+        assert {"chat", "chat2"} - loose <= step  # the tight ones never sit out
+        assert len(step & loose) == per_step
+    turns = -(-len(loose) // per_step)  # steps until every loose decode has had its turn
+    assert set().union(*steps[:turns]) >= loose
+    s.add_request(_req("long", 600, 0.0, max_tokens=5))
+    plan = s.schedule(now=0.0)
+    assert len(set(plan.num_scheduled_tokens) & loose) == with_prompt
+    assert plan.num_scheduled_tokens["long"] == chunk
 
 
 def test_under_fcfs_the_target_stays_the_configured_one() -> None:
