@@ -379,6 +379,25 @@ def test_the_first_token_forecast_adds_the_work_ahead_in_steps() -> None:
     assert late.request_id not in s.requests  # the check changes nothing
 
 
+def test_the_forecast_counts_the_decodes_that_join_a_held_step() -> None:
+    # As in the take-turns example: 10 ms a step + 10 ms a decode + 0.5 ms a prefill token,
+    # held to the chat's 50 ms. Of the six batch decodes, those that fit 50 ms less the
+    # waiting prompt's block (8 ms) join: two (30, 40 ms; a third would make 50). A step is
+    # then 40 ms of decodes + a 20-token chunk (10 ms). A 64-token prompt: three such steps
+    # and one of 40 + 4 x 0.5 ms, after 1.5 decode steps in flight:
+    # 3 x 0.05 + 0.042 + 1.5 x 0.04 = 0.252 s. (Counting all seven decodes, 80 ms, the
+    # share's rule would stretch the step to 160 ms: one step of 112 ms after 1.5 x 80.)
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
+                          scheduling_policy="slo", step_cost=DecodeCost(), max_step_ms=300.0,
+                          min_prefill_share=0.5)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("chat", 16, 0.0, tpot=0.05, max_tokens=500))
+    for i in range(6):
+        s.add_request(_req(f"batch{i}", 16, 0.0, max_tokens=500))
+    _decode_all(s, w)
+    assert forecast_first_token(s, _req("new", 64, 0.0, ttft=1.0), 0.0) == pytest.approx(0.252)
+
+
 def test_the_forecast_prices_prompts_past_their_cached_prefix() -> None:
     # 10 ms a step + 1 ms a token, a 256-token budget, 16-token blocks, nothing running.
     cfg = SchedulerConfig(max_num_batched_tokens=256, num_gpu_blocks=256, block_size=16, max_model_len=1024,
