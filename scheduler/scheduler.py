@@ -15,7 +15,8 @@ time stays within the target while requests decode (scheduler/step_time_budget.p
 the slo policy a step's target is the tightest TPOT objective among the requests decoding
 in it (`step_objective`, a firm target: the prefill share does not stretch it; shortened
 by how far measured steps overrun the cost model at the tail), and `max_step_ms` where
-none of them has one.
+none of them has one; the decodes of requests without a tight TPOT objective (`sits_out`)
+join such a step only while it stays within that target, longest idle first, one always.
 
 Every request's objectives are resolved on arrival (scheduler/slo.py); with a step-cost
 model its first token is forecast then too (scheduler/forecast.py), and `admission_check`

@@ -2,8 +2,9 @@
 step-time target while requests decode.
 
 The scheduler schedules every decode of its running requests first (decodes are never
-dropped or shortened for prefill), then asks here for each chunk, in its usual order
-(running prefills, swapped requests coming back, waiting requests)::
+dropped or shortened for prefill; under slo, see the exception below), then asks here for
+each chunk, in its usual order (running prefills, swapped requests coming back, waiting
+requests)::
 
     step so far (decodes, earlier chunks) ──▶ chunk(ctx, n) ──▶ n, or the longest chunk
                                               ending on a block boundary that keeps
