@@ -20,16 +20,20 @@ The model, from what the scheduler holds now and its step-cost model::
                   step's chunk is filled up with the work ranked behind it, as the
                   scheduler fills it
     seats       = when the running batch (max_num_seqs) or the KV pool has no room for the
-                  requests ahead and this one, the running requests that would finish first
-                  (by predicted output length) decode until they make room (decode-only
-                  steps: nothing new prefills while there is no room), then prefill
+                  requests ahead and this one, they are admitted one after another, each
+                  when the seats and blocks it needs are free: the running requests free
+                  theirs when they finish (by predicted output length), and each request
+                  admitted ahead frees its own once it has decoded its predicted outputs
+                  (decode-only steps: nothing new prefills while there is no room); this
+                  one prefills from its own admission
     yielding    = under the `slack` victim policy, the KV blocks of running requests (not
                   the oldest) with more slack, after their own recompute, than this
                   request has: when the pool runs short they are preempted first and
                   queue behind it, so it does not wait for them to finish
-    in flight   = while requests run, 1.5 steps: the engine keeps two plans in flight, so a
-                  request queued now enters the plan after the one already queued, while
-                  the one executing is (on average) half done
+    in flight   = while requests run, the plans already made: the engine keeps two in
+                  flight, so a request queued now enters the plan after the one already
+                  queued (its whole predicted time), while the one executing is (on
+                  average) half done
     forecast    = max(prefill, seats + its own prefill) + in flight
 
 It assumes nobody more urgent arrives meanwhile, and a waiting request's prefix-cache hit
@@ -39,6 +43,7 @@ of the queue as it stands.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -124,14 +129,15 @@ class _Steps:
                 else:
                     hi = mid - 1
             self.chunk = lo
-        # the plans ahead of any arrival's first chunk while requests run: 1.5 steps (two
-        # in flight, the executing one half done on average), each carrying what prefill
-        # there is, up to a full chunk
+        # the plans ahead of any arrival's first chunk while requests run: the queued one
+        # and half the executing one, as planned (a full chunk of the waiting work would
+        # overprice them where the KV pool admits none of it)
         self.in_flight = 0.0
         if sched.running:
-            work = sum(_prefill_left(r) for r in sched.running)
-            work += sum(_todo(sched, r) for r in sched.waiting)
-            self.in_flight = 1.5 * self.time(min(work, self.chunk))
+            executing, queued = sched.plans_in_flight()
+            for shape, share in ((executing, 0.5), (queued, 1.0)):
+                if shape.num_tokens:
+                    self.in_flight += share * cost(shape)
 
     def time(self, chunk: int) -> float:
         """One step's predicted time with a prefill chunk of `chunk` tokens (0: none)."""
@@ -187,16 +193,37 @@ def _serve_time(sched: Scheduler, ahead: Sequence[Request], own_tokens: int, own
     blocks -= sum(sched.kv.blocks_freed_by(r) for r in sched.running if r.request_id in yielding)
     if seats <= 0 and blocks <= 0:
         return prefill + in_flight
-    wait = 0.0
-    decode_s = steps.time(0)  # a step while there is no room
-    for r in sorted(sched.running, key=_samples_left):  # the first to finish make room
-        seats -= 1
-        if r.request_id not in yielding:
-            blocks -= len(sched.kv.block_ids(r.request_id))
-        wait = _samples_left(r) * decode_s
-        if seats <= 0 and blocks <= 0:
-            break
+    wait = _room_time(sched, ahead, own_blocks, steps.time(0), yielding)
     return max(prefill, wait + steps.prefill(own_tokens, later)) + in_flight
+
+
+def _room_time(sched: Scheduler, ahead: Sequence[Request], own_blocks: int, decode_s: float,
+               yielding: frozenset[str]) -> float:
+    """Seconds until a request needing `own_blocks` is admitted behind `ahead`, when seats
+    or blocks are short: each request is admitted, in order, once a seat and its blocks are
+    free; the running requests free theirs when they finish, and each one admitted frees
+    its own once it has decoded its predicted outputs, in steps of `decode_s` (the running
+    requests in `yielding` give up their blocks at once, their seats when they finish)."""
+    config = sched.config
+    free = sched.num_free_blocks
+    seats = config.max_num_seqs - len(sched.running) - len(sched.swapped)
+    frees: list[tuple[float, int, int]] = []  # (seconds from now, blocks, seats) freed then
+    for r in sched.running:
+        blocks = len(sched.kv.block_ids(r.request_id))
+        if r.request_id in yielding:
+            free, blocks = free + sched.kv.blocks_freed_by(r), 0
+        frees.append((_samples_left(r) * decode_s, blocks, 1))
+    heapq.heapify(frees)
+    now = 0.0
+    queue = [(cdiv(r.num_tokens, config.block_size), _samples_left(r)) for r in ahead]
+    for need, outputs in [*queue, (own_blocks, 0)]:
+        while (free < need or seats < 1) and frees:
+            now, blocks, seat = heapq.heappop(frees)
+            free, seats = free + blocks, seats + seat
+        free, seats = free - need, seats - 1
+        if outputs:
+            heapq.heappush(frees, (now + outputs * decode_s, need, 1))
+    return now
 
 
 def _not_demoted(sched: Scheduler, queue: SLOQueue, ahead: Sequence[Request], mine: float,

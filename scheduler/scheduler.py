@@ -77,6 +77,7 @@ class Scheduler:
         self._last_step = (0, 0, 0)  # requests, prefill tokens, decode tokens
         self.last_preemptions: tuple[Preemption, ...] = ()  # of the last plan, for the live view
         self._last_shape = BatchShape()  # the last plan's, for the step-cost model
+        self._prev_shape = BatchShape()  # the plan's before it (the forecast's plans in flight)
         cost, limit = config.step_cost, config.step_time_limit_s  # a limit > 0 implies a cost
         self._time = (StepTimeBudget(limit, cost, config.block_size, config.min_prefill_share,
                                      hold_prefill_only=config.holds_prefill_only_steps)
@@ -138,6 +139,11 @@ class Scheduler:
         """Predicted seconds until `count` waiting requests have left the queue (a full
         queue's 429 `Retry-After`); None without a step-cost model."""
         return admitted_within(self, count, self._now(now))
+
+    def plans_in_flight(self) -> tuple[BatchShape, BatchShape]:
+        """The shapes of the last two plans: the one before the last (executing, in the
+        engine, which keeps two plans in flight) and the last (queued behind it)."""
+        return self._prev_shape, self._last_shape
 
     def step_target(self) -> float | None:
         """The target the next step's time is held to (None: no time budget): the step's
@@ -416,6 +422,7 @@ class Scheduler:
         if sampling:  # an empty plan may be dropped unsent; it must leave nothing behind
             self._expect_sample[step.step_id] = sampling
         self._last_step = (len(step.scheduled), prefill, decode)
+        self._prev_shape = self._last_shape
         self._last_shape = BatchShape(len(step.scheduled), prefill + decode - decodes, decodes,
                                       len(sampling), pairs, kv_read,
                                       len(step.swap_in) + len(step.swap_out))

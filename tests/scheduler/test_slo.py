@@ -384,9 +384,9 @@ def test_the_forecast_counts_the_decodes_that_join_a_held_step() -> None:
     # held to the chat's 50 ms. Of the six batch decodes, those that fit 50 ms less the
     # waiting prompt's block (8 ms) join: two (30, 40 ms; a third would make 50). A step is
     # then 40 ms of decodes + a 20-token chunk (10 ms). A 64-token prompt: three such steps
-    # and one of 40 + 4 x 0.5 ms, after 1.5 decode steps in flight:
-    # 3 x 0.05 + 0.042 + 1.5 x 0.04 = 0.252 s. (Counting all seven decodes, 80 ms, the
-    # share's rule would stretch the step to 160 ms: one step of 112 ms after 1.5 x 80.)
+    # and one of 40 + 4 x 0.5 ms, after the plan in flight (the seven prompts: 10 + 112 x
+    # 0.5 ms; none before it): 3 x 0.05 + 0.042 + 0.066 = 0.258 s. (Counting all seven
+    # decodes, 80 ms, the share's rule would stretch the step to 160 ms: one step of 112 ms.)
     cfg = SchedulerConfig(max_num_batched_tokens=1024, num_gpu_blocks=256, block_size=16, max_model_len=1024,
                           scheduling_policy="slo", step_cost=DecodeCost(), max_step_ms=300.0,
                           min_prefill_share=0.5)
@@ -395,7 +395,7 @@ def test_the_forecast_counts_the_decodes_that_join_a_held_step() -> None:
     for i in range(6):
         s.add_request(_req(f"batch{i}", 16, 0.0, max_tokens=500))
     _decode_all(s, w)
-    assert forecast_first_token(s, _req("new", 64, 0.0, ttft=1.0), 0.0) == pytest.approx(0.252)
+    assert forecast_first_token(s, _req("new", 64, 0.0, ttft=1.0), 0.0) == pytest.approx(0.258)
 
 
 def test_the_forecast_prices_prompts_past_their_cached_prefix() -> None:
@@ -464,11 +464,53 @@ def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
     # seat): 0.011 s; then its own prefill, priced with the decodes as they run now
     decode = 0.01 + 0.001
     own = 0.01 + 0.001 * (1 + 32)
-    # two plans are in flight ahead of it (one half done on average, one queued), both
-    # decode-only: nothing else waits to prefill
-    in_flight = 1.5 * decode
+    # the plans in flight ahead of it: the last, the running request's prompt (as the
+    # engine keeps it queued behind the one executing, none here)
+    in_flight = 0.01 + 0.001 * 16
     assert probe.predicted_ttft == pytest.approx(20 * decode + own + in_flight)
     assert wait == pytest.approx(probe.predicted_ttft - 0.1)
+
+
+def test_the_plans_in_flight_are_priced_as_planned() -> None:
+    # One seat, held by "running"; a 500-token backlog waits for it. The engine keeps two
+    # plans in flight: the one executing (half done on average) and the one queued behind
+    # it, here the running request's prompt (16 tokens: 26 ms) and its first decode (11
+    # ms). Pricing them as steps carrying a chunk of the backlog (74 ms each) would add
+    # 87 ms: the backlog has no seat, and the plans hold none of it.
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
+                          max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
+                          reject_unmeetable=True, max_step_ms=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("running", 16, 0.0, max_tokens=11))
+    _decode_all(s, w)
+    plan = s.schedule(now=0.0)
+    s.update_from_output(plan, w.execute(plan), now=0.0)
+    s.add_request(_req("backlog", 500, 0.0, max_tokens=5))
+    probe = _req("probe", 32, 0.0, ttft=1.0)
+    s.admission_check(probe, now=0.0)
+    # the prefill ahead and its own, 532 tokens in chunks of 63 beside the decode: eight
+    # of 74 ms and one of 28 tokens (39 ms); then the plans in flight
+    in_flight = 0.5 * (0.01 + 0.001 * 16) + (0.01 + 0.001)
+    assert probe.predicted_ttft == pytest.approx(8 * 0.074 + 0.039 + in_flight)
+
+
+def test_a_request_admitted_ahead_holds_its_seat_until_its_predicted_outputs_are_done() -> None:
+    # one seat: "running" has 10 predicted outputs to go, "ahead" waits with 5 to make
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
+                          max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
+                          reject_unmeetable=True, max_step_ms=0.0)
+    s, w = Scheduler(cfg), MirrorWorker(16, 256)
+    s.add_request(_req("running", 16, 0.0, max_tokens=11))
+    _decode_all(s, w)
+    s.add_request(_req("ahead", 16, 0.0, max_tokens=5))
+    probe = _req("probe", 32, 0.0, ttft=0.1)
+    s.admission_check(probe, now=0.0)
+    # the seat frees after 10 decode steps (11 ms each); "ahead" takes it for its 5 outputs;
+    # then the probe's prefill (with the decode as it runs now), after the plan in flight
+    decode = 0.01 + 0.001
+    own = 0.01 + 0.001 * (1 + 32)
+    in_flight = 0.01 + 0.001 * 16
+    assert probe.predicted_ttft == pytest.approx((10 + 5) * decode + own + in_flight)
 
 
 @pytest.mark.parametrize(("victim", "waits"), [("slack", False), ("newest", True)])
@@ -487,7 +529,7 @@ def test_under_the_slack_victim_policy_a_request_does_not_wait_for_blocks_that_w
     s.admission_check(probe, now=0.0)
     decode = 0.01 + 0.001 * 2  # the two running decodes alone
     own = 0.01 + 0.001 * (2 + 256)  # its prefill riding with them
-    in_flight = 1.5 * decode
+    in_flight = 0.01 + 0.001 * (16 + 256)  # the plan in flight: the two prompts
     if waits:  # newest: "old" finishes first (99 outputs to go) but frees too few; then batch's 199
         assert probe.predicted_ttft == pytest.approx(199 * decode + own + in_flight)
     else:  # slack: batch would be preempted for it (more slack than its 1 s less its prefill)
