@@ -31,7 +31,7 @@
   objective), Poisson, at offered loads from 0.6x to 1.5x of the mix's capacity (measured
   as for the length-variance mixes), on a KV cache the size an 80 GB card holds for this
   model. The objectives are the server's classes (`--slo-class user:interactive=...`).
-- `variance-reject`: spread 4 at 1.5x and 2x of its capacity, slo with and without
+- `variance-reject`: spread 4 at 1.5x, 2x and 3x of its capacity, slo with and without
   `--reject-unmeetable` (FCFS too at 1.5x): refusals where slo itself misses objectives.
 - `below-capacity`: the other traces' mixes (length variance at spreads 1 and 4, the
   token-budget and KV-capacity presets' requests, the tenant flood's) at 0.6x to 0.9x of
@@ -254,11 +254,11 @@ def at_rate(workload: list[WorkloadRequest], factor: float) -> list[WorkloadRequ
 
 # ---- refusals on the length-variance mix -----------------------------------------------------
 
-VARIANCE_REJECT_LOADS = ("1.5", "2.0")
+VARIANCE_REJECT_LOADS = ("1.5", "2.0", "3.0")
 
 
 def variance_reject_trace(scale: float) -> Trace:
-    """Spread 4 (every request held to the lab's TTFT and TPOT) at 1.5x and 2x of its
+    """Spread 4 (every request held to the lab's TTFT and TPOT) at 1.5x, 2x and 3x of its
     capacity, slo with and without --reject-unmeetable (and FCFS at 1.5x): where slo
     itself can no longer meet every objective, so that it has something to refuse."""
     n = _scaled(1200, scale)
