@@ -449,15 +449,22 @@ def test_the_forecast_leaves_out_a_request_ahead_whose_deadline_is_lost_before_i
     assert probe.metrics.first_token_time == pytest.approx(first_token)
 
 
-def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
-    # one seat; the running request has 20 predicted outputs to go at 11 ms a decode step
-    # (10 ms + 1 ms for its token... plus the chunk the backlog's steps carry).
+def _one_seat(max_tokens: int) -> tuple[Scheduler, MirrorWorker]:
+    """One seat, held by "running" (16 tokens, predicted `max_tokens` outputs) after its
+    prompt's step; 10 ms a step + 1 ms a token, 64 tokens a step, the check on."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
                           max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
                           reject_unmeetable=True, max_step_ms=0.0)
     s, w = Scheduler(cfg), MirrorWorker(16, 256)
-    s.add_request(_req("running", 16, 0.0, max_tokens=21))
+    s.add_request(_req("running", 16, 0.0, max_tokens=max_tokens))
     _decode_all(s, w)
+    return s, w
+
+
+def test_a_full_batch_waits_for_the_first_running_request_to_finish() -> None:
+    # one seat; the running request has 20 predicted outputs to go at 11 ms a decode step
+    # (10 ms + 1 ms for its token... plus the chunk the backlog's steps carry).
+    s, _ = _one_seat(21)
     probe = _req("probe", 32, 0.0, ttft=0.1)
     wait = s.admission_check(probe, now=0.0)
     # running: 20 outputs left, each a decode-only step (nothing new can prefill without a
@@ -477,12 +484,7 @@ def test_the_plans_in_flight_are_priced_as_planned() -> None:
     # it, here the running request's prompt (16 tokens: 26 ms) and its first decode (11
     # ms). Pricing them as steps carrying a chunk of the backlog (74 ms each) would add
     # 87 ms: the backlog has no seat, and the plans hold none of it.
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
-                          max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
-                          reject_unmeetable=True, max_step_ms=0.0)
-    s, w = Scheduler(cfg), MirrorWorker(16, 256)
-    s.add_request(_req("running", 16, 0.0, max_tokens=11))
-    _decode_all(s, w)
+    s, w = _one_seat(11)
     plan = s.schedule(now=0.0)
     s.update_from_output(plan, w.execute(plan), now=0.0)
     s.add_request(_req("backlog", 500, 0.0, max_tokens=5))
@@ -496,12 +498,7 @@ def test_the_plans_in_flight_are_priced_as_planned() -> None:
 
 def test_a_request_admitted_ahead_holds_its_seat_until_its_predicted_outputs_are_done() -> None:
     # one seat: "running" has 10 predicted outputs to go, "ahead" waits with 5 to make
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, num_gpu_blocks=256, block_size=16,
-                          max_model_len=1024, step_cost=Cost(step=0.01, token=0.001), output_len_predictor="max_tokens",
-                          reject_unmeetable=True, max_step_ms=0.0)
-    s, w = Scheduler(cfg), MirrorWorker(16, 256)
-    s.add_request(_req("running", 16, 0.0, max_tokens=11))
-    _decode_all(s, w)
+    s, _ = _one_seat(11)
     s.add_request(_req("ahead", 16, 0.0, max_tokens=5))
     probe = _req("probe", 32, 0.0, ttft=0.1)
     s.admission_check(probe, now=0.0)
