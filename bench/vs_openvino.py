@@ -21,7 +21,15 @@ is greedy with `ignore_eos`, so both generate exactly the tokens asked for. Scen
   tokens each (seeded): total (prompt + output) tokens/s;
 - `single`: one request, a 32-token prompt, 1 and then 129 output tokens; TPOT is the
   difference over 128 (median of three pairs);
-- `prefill`: 16 prompts of 1,000 token ids at once, one output token each: prompt tokens/s.
+- `prefill`: 16 prompts of 1,000 token ids at once, one output token each: prompt tokens/s;
+- `accuracy`: the accuracy at which the speeds compare. Against stepserve's reference mode
+  (float32, no quantization, eager: the numerics its parity tests hold to transformers), on
+  the texts of stepserve's accuracy gate (`tests/worker/data`): teacher-forced top-1
+  agreement over the first 320 tokens of each of its 7 texts (2,056 positions, each read in
+  a prefill: stepserve's prompt logprobs of the whole text, OpenVINO's greedy token after
+  each prefix, 309k prompt tokens, since its pipeline returns no prompt logprobs), and
+  greedy continuations of the gate's 9 prompts x 32 tokens (how many tokens agree before
+  the first difference). Several minutes per OpenVINO variant.
 
 `roofline` is this machine's measured matmul rate and copy bandwidth, and what they bound
 for the model (one stream's TPOT, prefill tokens/s); `roofline_fraction` is how near each
@@ -47,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("saturating", "single", "prefill")
+SCENARIOS = ("saturating", "single", "prefill", "accuracy")
 OPENVINO_VARIANTS = {
     "default": {},
     "f32_f16kv": {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f16"},
@@ -55,6 +63,11 @@ OPENVINO_VARIANTS = {
 KV_CACHE_GIB = 1
 ID_RANGE = (100, 10_000)  # token ids every Llama-family vocabulary here holds
 SINGLE_PAIRS = 3
+GATE_DATA = ROOT / "tests" / "worker" / "data"  # the texts of stepserve's accuracy gate
+ACCURACY_TOKENS = 320  # teacher-forced positions per text (OpenVINO's cost grows with the square)
+GREEDY_TOKENS = 32
+# stepserve's reference mode (the parity tests' REFERENCE in tests/support/worker_modes.py)
+REFERENCE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--enforce-eager"]
 
 
 def workloads(seed: int) -> dict[str, list[tuple[list[int], int]]]:
@@ -72,6 +85,20 @@ def workloads(seed: int) -> dict[str, list[tuple[list[int], int]]]:
     }
 
 
+def accuracy_inputs(model: str) -> dict[str, list[list[int]]]:
+    """The accuracy gate's texts (cut to `ACCURACY_TOKENS`) and greedy prompts as the
+    model's token ids, for the children (OpenVINO's has no stepserve tokenizer)."""
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    texts = json.loads((GATE_DATA / "varied_text.json").read_text())
+    prompts = json.loads((GATE_DATA / "greedy_prompts.json").read_text())
+    return {
+        "texts": [tokenizer.encode(t)[:ACCURACY_TOKENS] for t in texts.values()],
+        "prompts": [tokenizer.encode(p) for p in prompts],
+    }
+
+
 # -- the children: each engine in a process of its own ----------------------------------------
 
 
@@ -80,6 +107,14 @@ class _Engine:
     the output token counts."""
 
     def generate(self, batch: list[tuple[list[int], int]]) -> list[int]:
+        raise NotImplementedError
+
+    def teacher_forced(self, texts: list[list[int]]) -> list[list[int]]:
+        """Per text, the top-1 token after each of its prefixes [0, i), i = 1 .. len - 1."""
+        raise NotImplementedError
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """Per prompt, its first `n` greedy tokens."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -103,6 +138,32 @@ class _Stepserve(_Engine):
         if bad:
             raise RuntimeError(f"stepserve refused a request: {bad[0].body}")
         return [a.body["usage"]["completion_tokens"] for a in answers]
+
+    def _bodies(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        answers = self.llm.run(bodies, chat=False)
+        bad = [a for a in answers if a.status != 200]
+        if bad:
+            raise RuntimeError(f"stepserve refused a request: {bad[0].body}")
+        return [a.body["choices"][0] for a in answers]
+
+    def teacher_forced(self, texts: list[list[int]]) -> list[list[int]]:
+        bodies = [
+            {"prompt": t, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1,
+             "return_tokens_as_token_ids": True}
+            for t in texts
+        ]
+        return [
+            [int(next(k for k, v in lp.items() if v["rank"] == 1)) for lp in lps[1:]]
+            for lps in (c["prompt_logprobs"] for c in self._bodies(bodies))
+        ]
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        bodies = [
+            {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True}
+            for p in prompts
+        ]
+        return [list(c["token_ids"]) for c in self._bodies(bodies)]
 
     def close(self) -> None:
         self.llm.close()
@@ -170,6 +231,9 @@ class _OpenVINO(_Engine):
         self.pipe = ov_genai.ContinuousBatchingPipeline(model, config, "CPU", properties)
 
     def generate(self, batch: list[tuple[list[int], int]]) -> list[int]:
+        return [len(tokens) for tokens in self._tokens(batch)]
+
+    def _tokens(self, batch: list[tuple[list[int], int]]) -> list[list[int]]:
         import numpy as np
         import openvino as ov
 
@@ -179,8 +243,15 @@ class _OpenVINO(_Engine):
             config.max_new_tokens, config.ignore_eos, config.do_sample = n, True, False
             configs.append(config)
         inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p, _ in batch]
-        results = self.pipe.generate(inputs, configs)
-        return [len(r.m_generation_ids[0]) for r in results]
+        return [list(r.m_generation_ids[0]) for r in self.pipe.generate(inputs, configs)]
+
+    def teacher_forced(self, texts: list[list[int]]) -> list[list[int]]:
+        # no prompt logprobs from the pipeline: one request a prefix, one greedy token each
+        return [[out[0] for out in self._tokens([(t[:i], 1) for i in range(1, len(t))])]
+                for t in texts]
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        return self._tokens([(p, n) for p in prompts])
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,6 +270,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     try:
         engine.generate([([1000 + i for i in range(16)], 8)])  # warm-up
         for name in args.scenarios:
+            if name == "accuracy":
+                inputs = json.loads(Path(args.accuracy_input).read_text())
+                out[name] = {
+                    "teacher_forced": engine.teacher_forced(inputs["texts"]),
+                    "greedy": engine.greedy(inputs["prompts"], GREEDY_TOKENS),
+                }
+                continue
             batch = work[name]
             if name == "single":
                 walls = []
@@ -306,6 +384,27 @@ def fractions(measured: dict[str, Any], bound: dict[str, Any]) -> dict[str, floa
     }
 
 
+def agreement(measured: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """An engine's accuracy against the reference's predictions: teacher-forced top-1
+    agreement, and per greedy prompt the tokens before the first difference."""
+    ours, ref = measured.pop("accuracy"), reference["accuracy"]
+    pairs = [
+        (a, b) for got, want in zip(ours["teacher_forced"], ref["teacher_forced"], strict=True)
+        for a, b in zip(got, want, strict=True)
+    ]
+    same = sum(a == b for a, b in pairs)
+    prefix = [
+        next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        for got, want in zip(ours["greedy"], ref["greedy"], strict=True)
+    ]
+    return {
+        "teacher_forced_top1": round(same / len(pairs), 4),
+        "positions": len(pairs),
+        "greedy_identical": f"{sum(p == GREEDY_TOKENS for p in prefix)}/{len(prefix)}",
+        "greedy_tokens_before_first_difference": prefix,
+    }
+
+
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
     """stepserve over OpenVINO, per scenario."""
     out: dict[str, float | None] = {}
@@ -346,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "--child", choices=("stepserve", "stepserve-http", "openvino"), help=argparse.SUPPRESS
     )
     parser.add_argument("--variant", choices=tuple(OPENVINO_VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--accuracy-input", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_child(args)))
@@ -363,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.model_files import find_default_model
 
     model = args.model or str(find_default_model())
-    common = ["--model", model, "--seed", str(args.seed), "--scenarios", *args.scenarios]
+    base = ["--model", model, "--seed", str(args.seed)]
+    speed = [name for name in args.scenarios if name != "accuracy"]
+    inputs: list[str] = []  # --accuracy-input FILE when accuracy is measured
     probe = "import openvino_genai; print(openvino_genai.__version__)"
     version = subprocess.run(
         [python, "-c", probe], capture_output=True, text=True, check=False
@@ -376,11 +478,29 @@ def main(argv: list[str] | None = None) -> int:
         "stepserve_flags": args.stepserve_flags,
         "kv_cache_gib": KV_CACHE_GIB,
     }
-    arms = ["stepserve"] + ([] if args.no_http else ["stepserve-http"])
+    reference: dict[str, Any] = {}
+    if "accuracy" in args.scenarios:
+        import tempfile
+
+        held = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)  # noqa: SIM115
+        with held:
+            json.dump(accuracy_inputs(model), held)
+        inputs = ["--accuracy-input", held.name]
+        reference = child(
+            sys.executable, *base, "--scenarios", "accuracy", *inputs, "--child", "stepserve",
+            "--stepserve-flags", *REFERENCE_FLAGS, timeout=args.timeout,
+        )
+        result["accuracy_reference"] = {"stepserve_flags": REFERENCE_FLAGS}
+    # the HTTP arm runs the offline arm's engine: only its speed is measured
+    arms = ["stepserve"] + ([] if args.no_http or not speed else ["stepserve-http"])
     for arm in arms:
+        scenarios = args.scenarios if arm == "stepserve" else speed
         result[arm.replace("-", "_")] = child(
             sys.executable,
-            *common,
+            *base,
+            "--scenarios",
+            *scenarios,
+            *inputs,
             "--child",
             arm,
             "--stepserve-flags",
@@ -389,12 +509,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     for variant in args.variants:
         theirs = child(
-            python, *common, "--child", "openvino", "--variant", variant, timeout=args.timeout
+            python, *base, "--scenarios", *args.scenarios, *inputs, "--child", "openvino",
+            "--variant", variant, timeout=args.timeout,
         )
         result[f"openvino_{variant}"] = theirs
         for arm in arms:
             key = arm.replace("-", "_")
             result[f"ratio_{key}_over_openvino_{variant}"] = ratios(result[key], theirs)
+    if inputs:
+        os.unlink(inputs[1])
+        if "accuracy" not in reference:
+            result["accuracy_reference"]["error"] = reference.get("error", "no predictions")
+        for name in ["stepserve"] + [f"openvino_{v}" for v in args.variants]:
+            if "accuracy" in result[name] and "accuracy" in reference:
+                result[name]["accuracy"] = agreement(result[name], reference)
     bound = roofline(model)
     result["roofline"] = bound
     result["roofline_fraction"] = {

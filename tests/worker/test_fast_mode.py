@@ -29,9 +29,7 @@ from worker.config import WorkerConfig
 pytestmark = pytest.mark.slow
 
 TEXTS: dict[str, str] = json.loads((Path(__file__).parent / "data" / "varied_text.json").read_text())
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "1, 2, 3, 4,",
-           "The three primary colors are", "import numpy as np\n", "Water boils at a temperature of",
-           "My favourite book is", "La tour Eiffel a été construite"]
+PROMPTS: list[str] = json.loads((Path(__file__).parent / "data" / "greedy_prompts.json").read_text())
 
 
 @pytest.fixture(scope="module")
