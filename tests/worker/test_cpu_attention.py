@@ -114,9 +114,10 @@ def test_decode_kernel_matches_float64_over_spans(heads: int, kv_heads: int, dim
 
 
 def _chunk_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-              context: list[int], chunks: list[int]) -> torch.Tensor:
+              context: list[int], chunks: list[int], bf16: bool = False) -> torch.Tensor:
     """The op over one chunk per request (request r: context[r] cached tokens, then chunks[r]
-    new ones); the chunks' K/V are the cache's values at their slots, so nothing changes."""
+    new ones); the chunks' K/V are the cache's values at their slots, so nothing changes.
+    `bf16`: the chunk kernel's products in bfloat16."""
     ops = torch.ops.stepserve_cpu
     bs, kvh, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs
@@ -125,7 +126,7 @@ def _chunk_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     lens = torch.tensor([c + n for c, n in zip(context, chunks, strict=True)])
     flat_k, flat_v = k_cache.view(-1, kvh, dim), v_cache.view(-1, kvh, dim)
     ops.set_kv_cache([k_cache], [v_cache])
-    ops.bind_step(slots, starts, lens, tables, SMALL_QUERY)
+    ops.bind_step(slots, starts, lens, tables, SMALL_QUERY, bf16)
     return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
 
 
@@ -171,6 +172,35 @@ def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: i
         torch.testing.assert_close(out[start : start + n].double(), want, atol=5e-6, rtol=5e-6)
         start += n
     torch.testing.assert_close(out, sdpa, atol=5e-6, rtol=5e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [(9, 3, 64, 16), (8, 2, 128, 3)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_bf16_chunk_products_match_float64_to_bfloat16_precision(heads: int, kv_heads: int, dim: int, bs: int,
+                                                                 cache_dtype: torch.dtype) -> None:
+    """The chunk kernel with its two products as AVX512-BF16 dot products (queries, keys,
+    values and weights rounded to bfloat16, sums in float32): within bfloat16's precision of
+    float64 attention, over odd key counts (a weight pair with one key past the end) and
+    cached context; and not the float32 kernel's output (the bfloat16 path ran)."""
+    if not torch.ops.stepserve_cpu.chunk_bf16_supported():
+        pytest.skip("this build has no AVX512-BF16 (the CPU does not list avx512_bf16)")
+    gen = torch.Generator().manual_seed(7)
+    context = [0, 5, 300, 33, 0]
+    chunks = [SMALL_QUERY + 1, 40, 97, 256, 33]
+    width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
+    tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
+    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    q = torch.randn(sum(chunks), heads, dim, generator=gen)
+    exact = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
+    out = _chunk_op(q, k_cache, v_cache, tables, context, chunks, bf16=True)
+    start = 0
+    for r, (c, n) in enumerate(zip(context, chunks, strict=True)):
+        want = _causal_reference(q[start : start + n], k_cache, v_cache, tables[r], c, n)
+        torch.testing.assert_close(out[start : start + n].double(), want, atol=2e-2, rtol=2e-2)
+        start += n
+    assert not torch.equal(out, exact)
+    assert (out - exact).abs().max() < 2e-2
 
 
 def test_decode_kernel_output_depends_on_its_request_alone() -> None:

@@ -145,8 +145,9 @@ def test_the_flag_reaches_the_worker_and_bad_values_are_refused() -> None:
 @needs_kernels
 @pytest.mark.slow
 def test_a_runner_keeps_copies_as_asked(smol_runner: Any) -> None:
-    """On the default model: "blocks" keeps no copy; "4" keeps one in every fused layer and
-    a 12-token chunk through it picks the same tokens as the float32 reference."""
+    """On the default model: "blocks" keeps no copy and attends in float32; "4" keeps one in
+    every fused layer (and attends in bfloat16 where the build can) and a 12-token chunk
+    through it picks the same tokens as the float32 reference."""
     from worker.config import WorkerConfig
     from worker.execution.model_runner import ModelRunner
 
@@ -156,12 +157,18 @@ def test_a_runner_keeps_copies_as_asked(smol_runner: Any) -> None:
 
     blocks = runner("blocks")
     assert blocks.kernels.dense_above is None and blocks.info.extra["wide_steps"] == "low-bit"
+    assert not blocks.attention.backend.bf16_chunks  # float32 attention with the blocks' numerics
     assert not any(isinstance(m, GGUFLinear) and m.dense is not None for m in blocks.model.modules())
     del blocks
     wide = runner("4")
     copies = [m for m in wide.model.modules() if isinstance(m, GGUFLinear) and m.dense is not None]
     assert copies and all(m.dense_above == 4 for m in copies)
-    assert wide.info.extra["wide_steps"].startswith("bf16-") and wide.info.extra["wide_steps"].endswith("above 4")
+    # long chunks attend in bfloat16 with the copy, where the build has AVX512-BF16
+    bf16_attention = bool(torch.ops.stepserve_cpu.chunk_bf16_supported())
+    assert wide.attention.backend.bf16_chunks == bf16_attention
+    amx = torch.cpu._is_amx_tile_supported()
+    assert wide.info.extra["wide_steps"] == f"bf16-{'amx' if amx else 'avx'} above 4" + (
+        ", bf16 attention" if bf16_attention else "")
     tokens = list(range(100, 112))
     try:
         ours = _logits(wide, tokens, 0, 12).argmax(-1)

@@ -26,6 +26,7 @@ from common.grammar import GrammarCompiler, tokenizer_json
 from common.model_files import resolve_model_path
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.sampling import SamplingParams
+from worker.attention.cpu_backend import CpuPagedAttention
 from worker.attention.registry import make_attention_backend
 from worker.attention.step import StepAttention
 from worker.config import BUILDING_NOTE, WorkerConfig, WorkerConfigError, WorkerInfo
@@ -142,6 +143,9 @@ class ModelRunner(PlanRunner):
             config.attention_backend, self.device, config.block_size, self.dtype,
             config.batch_invariant,
         )
+        if isinstance(backend, CpuPagedAttention):
+            # long chunks' attention in bfloat16 where their linear products already are
+            backend.use_bf16_chunks(self.kernels.dense_above is not None)
         if config.batch_invariant and (
             self.kernels.quantization != "gguf" or backend.name != "cpu"
         ):
@@ -291,12 +295,15 @@ class ModelRunner(PlanRunner):
 
     def wide_steps(self) -> str:
         """How steps of many tokens run: "bf16-amx above 8" (a bf16 copy of the low-bit
-        weights, on AMX tiles where the CPU has them and oneDNN will use them), or the
-        weights' own form ("low-bit")."""
+        weights, on AMX tiles where the CPU has them and oneDNN will use them; ", bf16
+        attention" where long chunks also attend in bfloat16), or the weights' own form
+        ("low-bit")."""
         if self.kernels.dense_above is None:
             return "low-bit" if self.kernels.quantization != "none" else "dense"
         amx = bool(torch.cpu._is_amx_tile_supported())
-        return f"bf16-{'amx' if amx else 'avx'} above {self.kernels.dense_above}"
+        bf16_chunks = getattr(self.attention.backend, "bf16_chunks", False)
+        attention = ", bf16 attention" if bf16_chunks else ""
+        return f"bf16-{'amx' if amx else 'avx'} above {self.kernels.dense_above}{attention}"
 
     def _settings(self) -> dict[str, object]:
         """This worker's settings with the start-up probe's choices fixed, so that a child

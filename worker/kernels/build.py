@@ -51,8 +51,10 @@ def isa_flags(cpuinfo: str) -> list[str]:
             break
     for name, needs, flags in _CAPABILITIES:
         if listed.issuperset(needs):
-            # csrc/int8_linear.cpp's vpdpbusd path (AVX2's byte multiply-adds without it)
-            extra = ["-mavx512vnni"] if name == "AVX512" and "avx512_vnni" in listed else []
+            # csrc/int8_linear.cpp's vpdpbusd path (AVX2's byte multiply-adds without it) and
+            # csrc/paged_attention.cpp's bfloat16 chunk products
+            wanted = (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"))
+            extra = [flag for cpu, flag in wanted if name == "AVX512" and cpu in listed]
             return [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", *flags, *extra]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 

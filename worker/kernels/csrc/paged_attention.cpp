@@ -9,8 +9,9 @@
 //   3. the longer chunks of float32 queries of head size 64 or 128 attend in place too:
 //      one work item per (request, kv head, 32 query tokens), flash attention over 32-key
 //      tiles with the query rows in vector lanes (attend_chunks; 1.6-2.8x faster than SDPA
-//      at 128-1,024 tokens, bench/RESULTS.md); any other chunk runs torch's SDPA over the
-//      fresh K/V when nothing was cached before it, else over its blocks gathered once.
+//      at 128-1,024 tokens, bench/RESULTS.md), its two products as AVX512-BF16 dot products
+//      where bind_step asks and the build has them; any other chunk runs torch's SDPA over
+//      the fresh K/V when nothing was cached before it, else over its blocks gathered once.
 //
 // The cache tensors and the step's metadata live in this file's registry (set_kv_cache,
 // bind_step), not in the op's arguments: a compiled forward then sees an op without
@@ -44,6 +45,7 @@ struct StepState {
   at::Tensor block_tables;     // [B, max_blocks] int64 (host)
   int64_t small_query = 16;
   bool chunk_kernel = true;  // long chunks through attend_chunks (else SDPA)
+  bool chunk_bf16 = false;   // attend_chunks' products in bfloat16 (bind_step; where the build has them)
 };
 
 StepState g_state;
@@ -385,32 +387,78 @@ struct ChunkScratch {
   std::vector<float> m, l;     // [rows]: running max and sum of exponentials
   std::vector<float> k, v;     // [kKeyTile][D]: the tile's keys and values in float32
   std::vector<float> p;        // [kKeyTile][2 kW]: one register block's scores, then weights
+  // the bfloat16 products' operands, two bfloat16 a 32-bit word (low: the first):
+  std::vector<uint32_t> qt2;   // [D / 2][rows]: a row's query elements (2e, 2e + 1)
+  std::vector<uint32_t> k2;    // [kKeyTile][D / 2]: a key's elements (2e, 2e + 1)
+  std::vector<uint32_t> v2;    // [kKeyTile / 2][D]: element d of values (2i, 2i + 1)
+  std::vector<uint32_t> p2;    // [kKeyTile / 2][2 kW]: a row's weights of keys (2i, 2i + 1)
 };
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// Long chunks may take their two products (Q K^T and P V) as AVX512-BF16 dot products:
+// vdpbf16ps multiplies pairs of bfloat16 exactly and adds them into float32 lanes, twice the
+// multiply-adds of a float32 FMA an instruction. The queries, keys, values and softmax
+// weights are rounded to bfloat16 (as the wide steps' bf16 weight copy rounds the
+// activations); scores, the online softmax and the sums stay float32.
+#define SS_CHUNK_BF16 1
+constexpr bool kChunkBf16 = true;
+
+inline uint32_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+
+// two float vectors' lanes as bfloat16 pairs: lane i = (a[i], b[i])
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+inline __m512 dot_bf16(__m512 acc, __m512i pairs, uint32_t broadcast) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int>(broadcast)));
+}
+#else
+constexpr bool kChunkBf16 = false;
+#endif
 
 struct ChunkItem {
   int64_t req, head, t0;  // request index, kv head, first query token within its chunk
   int64_t cost;           // keys x rows, to hand out the largest items first
 };
 
-template <typename C, int64_t D>
+template <typename C, int64_t D, bool Bf16>
 void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_cache, const int64_t* table,
                        int64_t row0, int64_t nt, int64_t pos0, int64_t h, int64_t group, int64_t heads,
                        int64_t kv_heads, int64_t bs, float scale, ChunkScratch& s) {
   constexpr int64_t T = kChunkTokens, RB = 2 * kW;
   static_assert(T % RB == 0 && kKeyTile % kPass == 0 && D % kPass == 0, "tiles must divide evenly");
+  static_assert(!Bf16 || (kChunkBf16 && kKeyTile % 2 == 0), "bfloat16 products need AVX512-BF16");
   const int64_t R = group * T, last = pos0 + nt - 1;  // row token i sits at position pos0 + i
   const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
-  s.qt.assign(D * R, 0.f);  // rows of padding tokens (nt < T) stay zero and are never written out
   s.acc.assign(D * R, 0.f);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.f);
   s.k.resize(kKeyTile * D);
   s.v.resize(kKeyTile * D);
   s.p.resize(kKeyTile * RB);
+  // rows of padding tokens (nt < T) stay zero and are never written out
+  if constexpr (Bf16) {
+    s.qt2.assign(D / 2 * R, 0u);
+    s.k2.resize(kKeyTile * D / 2);
+    s.v2.resize(kKeyTile / 2 * D);
+    s.p2.resize(kKeyTile / 2 * RB);
+  } else {
+    s.qt.assign(D * R, 0.f);
+  }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < nt; ++i) {
       const float* src = q + (row0 + i) * heads * D + (h * group + g) * D;
-      for (int64_t d = 0; d < D; ++d) s.qt[d * R + g * T + i] = src[d] * scale;
+      if constexpr (Bf16) {
+#ifdef SS_CHUNK_BF16
+        for (int64_t e = 0; e < D / 2; ++e)
+          s.qt2[e * R + g * T + i] = bf16_bits(src[2 * e] * scale) | bf16_bits(src[2 * e + 1] * scale) << 16;
+#endif
+      } else {
+        for (int64_t d = 0; d < D; ++d) s.qt[d * R + g * T + i] = src[d] * scale;
+      }
     }
   float* kt = s.k.data();
   float* vt = s.v.data();
@@ -427,18 +475,45 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
     }
     std::fill(kt + kn * D, kt + kKeyTile * D, 0.f);  // masked below; zeros keep 0 * value finite
     std::fill(vt + kn * D, vt + kKeyTile * D, 0.f);
+#ifdef SS_CHUNK_BF16
+    if constexpr (Bf16) {
+      auto* k16 = reinterpret_cast<uint16_t*>(s.k2.data());  // a key's bfloat16 in order are its pairs
+      for (int64_t j = 0; j < kKeyTile; ++j)
+        for (int64_t x = 0; x < D; x += kW)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(k16 + j * D + x),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kt + j * D + x)));
+      for (int64_t i = 0; i < kKeyTile / 2; ++i)
+        for (int64_t x = 0; x < D; x += kW)
+          _mm512_storeu_si512(s.v2.data() + i * D + x,
+                              bf16_pairs(_mm512_loadu_ps(vt + 2 * i * D + x), _mm512_loadu_ps(vt + (2 * i + 1) * D + x)));
+    }
+#endif
     const bool diagonal = k0 + kKeyTile - 1 > pos0;  // some key of the tile is past some row
     for (int64_t rb = 0; rb < R; rb += RB) {
-      const float* qb = s.qt.data() + rb;
       for (int64_t j0 = 0; j0 < kKeyTile; j0 += kPass) {  // scores: p[j][lane] = q[lane] . k[j]
         Vec a[kPass][2];
         for (int64_t jj = 0; jj < kPass; ++jj) a[jj][0] = a[jj][1] = Vec(0.f);
-        for (int64_t d = 0; d < D; ++d) {
-          const Vec q0 = Vec::loadu(qb + d * R), q1 = Vec::loadu(qb + d * R + kW);
-          for (int64_t jj = 0; jj < kPass; ++jj) {
-            const Vec kv(kt[(j0 + jj) * D + d]);
-            a[jj][0] = at::vec::fmadd(q0, kv, a[jj][0]);
-            a[jj][1] = at::vec::fmadd(q1, kv, a[jj][1]);
+        if constexpr (Bf16) {
+#ifdef SS_CHUNK_BF16
+          const uint32_t* qb = s.qt2.data() + rb;
+          for (int64_t e = 0; e < D / 2; ++e) {
+            const __m512i q0 = _mm512_loadu_si512(qb + e * R), q1 = _mm512_loadu_si512(qb + e * R + kW);
+            for (int64_t jj = 0; jj < kPass; ++jj) {
+              const uint32_t kv = s.k2[(j0 + jj) * D / 2 + e];
+              a[jj][0] = dot_bf16(a[jj][0], q0, kv);
+              a[jj][1] = dot_bf16(a[jj][1], q1, kv);
+            }
+          }
+#endif
+        } else {
+          const float* qb = s.qt.data() + rb;
+          for (int64_t d = 0; d < D; ++d) {
+            const Vec q0 = Vec::loadu(qb + d * R), q1 = Vec::loadu(qb + d * R + kW);
+            for (int64_t jj = 0; jj < kPass; ++jj) {
+              const Vec kv(kt[(j0 + jj) * D + d]);
+              a[jj][0] = at::vec::fmadd(q0, kv, a[jj][0]);
+              a[jj][1] = at::vec::fmadd(q1, kv, a[jj][1]);
+            }
           }
         }
         for (int64_t jj = 0; jj < kPass; ++jj) {
@@ -476,18 +551,38 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
       for (int64_t x = 0; x < 2; ++x)
         at::vec::fmadd(Vec::loadu(s.l.data() + rb + x * kW), alpha[x], sum[x]).store(s.l.data() + rb + x * kW);
       float* ab = s.acc.data() + rb;
+#ifdef SS_CHUNK_BF16
+      if constexpr (Bf16)  // the weights of keys (2i, 2i + 1) paired per row; past kn they are 0
+        for (int64_t i = 0; i < (kn + 1) / 2; ++i)
+          for (int64_t x = 0; x < 2; ++x)
+            _mm512_storeu_si512(s.p2.data() + i * RB + x * kW,
+                                bf16_pairs(_mm512_loadu_ps(pt + 2 * i * RB + x * kW), _mm512_loadu_ps(pt + (2 * i + 1) * RB + x * kW)));
+#endif
       for (int64_t d0 = 0; d0 < D; d0 += kPass) {  // acc[d][lane] = alpha acc[d][lane] + sum_j p[j][lane] v[j][d]
         Vec a[kPass][2];
         for (int64_t dd = 0; dd < kPass; ++dd) {
           a[dd][0] = Vec::loadu(ab + (d0 + dd) * R) * alpha[0];
           a[dd][1] = Vec::loadu(ab + (d0 + dd) * R + kW) * alpha[1];
         }
-        for (int64_t j = 0; j < kn; ++j) {
-          const Vec p0 = Vec::loadu(pt + j * RB), p1 = Vec::loadu(pt + j * RB + kW);
-          for (int64_t dd = 0; dd < kPass; ++dd) {
-            const Vec vv(vt[j * D + d0 + dd]);
-            a[dd][0] = at::vec::fmadd(p0, vv, a[dd][0]);
-            a[dd][1] = at::vec::fmadd(p1, vv, a[dd][1]);
+        if constexpr (Bf16) {
+#ifdef SS_CHUNK_BF16
+          for (int64_t i = 0; i < (kn + 1) / 2; ++i) {
+            const __m512i p0 = _mm512_loadu_si512(s.p2.data() + i * RB), p1 = _mm512_loadu_si512(s.p2.data() + i * RB + kW);
+            for (int64_t dd = 0; dd < kPass; ++dd) {
+              const uint32_t vv = s.v2[i * D + d0 + dd];
+              a[dd][0] = dot_bf16(a[dd][0], p0, vv);
+              a[dd][1] = dot_bf16(a[dd][1], p1, vv);
+            }
+          }
+#endif
+        } else {
+          for (int64_t j = 0; j < kn; ++j) {
+            const Vec p0 = Vec::loadu(pt + j * RB), p1 = Vec::loadu(pt + j * RB + kW);
+            for (int64_t dd = 0; dd < kPass; ++dd) {
+              const Vec vv(vt[j * D + d0 + dd]);
+              a[dd][0] = at::vec::fmadd(p0, vv, a[dd][0]);
+              a[dd][1] = at::vec::fmadd(p1, vv, a[dd][1]);
+            }
           }
         }
         for (int64_t dd = 0; dd < kPass; ++dd) {
@@ -536,8 +631,14 @@ void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, c
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       const ChunkItem& it = items[i];
       const int64_t n = qsl[it.req + 1] - qsl[it.req], nt = std::min(kChunkTokens, n - it.t0);
-      attend_chunk_item<C, D>(q_ptr, o_ptr, k_ptr, v_ptr, tables + it.req * table_width, qsl[it.req] + it.t0, nt,
-                              lens[it.req] - n + it.t0, it.head, group, heads, kv_heads, bs, scale, scratch);
+      const int64_t row0 = qsl[it.req] + it.t0, pos0 = lens[it.req] - n + it.t0;
+      const int64_t* table = tables + it.req * table_width;
+      if (kChunkBf16 && g_state.chunk_bf16)
+        attend_chunk_item<C, D, kChunkBf16>(q_ptr, o_ptr, k_ptr, v_ptr, table, row0, nt, pos0, it.head, group, heads,
+                                            kv_heads, bs, scale, scratch);
+      else
+        attend_chunk_item<C, D, false>(q_ptr, o_ptr, k_ptr, v_ptr, table, row0, nt, pos0, it.head, group, heads,
+                                       kv_heads, bs, scale, scratch);
     }
   });
 }
@@ -661,12 +762,13 @@ void set_kv_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_ca
 }
 
 void bind_step(at::Tensor slot_mapping, at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_tables,
-               int64_t small_query) {
+               int64_t small_query, bool chunk_bf16) {
   g_state.slot_mapping = slot_mapping.to(at::kLong).contiguous();
   g_state.query_start_loc = query_start_loc.to(at::kLong).contiguous();
   g_state.seq_lens = seq_lens.to(at::kLong).contiguous();
   g_state.block_tables = block_tables.to(at::kLong).contiguous();
   g_state.small_query = small_query;
+  g_state.chunk_bf16 = chunk_bf16 && kChunkBf16;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer) {
@@ -729,8 +831,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY(stepserve_cpu, m) {
   m.def("set_kv_cache(Tensor[] k_caches, Tensor[] v_caches) -> ()", &set_kv_cache);
-  m.def("bind_step(Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int small_query) -> ()",
+  // chunk_bf16: attend_chunks' two products as AVX512-BF16 dot products where the build has
+  // them (chunk_bf16_supported), else float32 FMAs
+  m.def("bind_step(Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int small_query, "
+        "bool chunk_bf16=False) -> ()",
         &bind_step);
+  m.def("chunk_bf16_supported() -> bool", []() { return kChunkBf16; });
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor");
   // which path long chunks of float32 queries take: attend_chunks (default) or SDPA (to compare the two)
   m.def("set_chunk_kernel(bool on) -> ()", [](bool on) { g_state.chunk_kernel = on; });
