@@ -537,14 +537,16 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
           sc.store(pt + j * RB + x * kW);
           mx[x] = at::vec::maximum(mx[x], sc);
         }
+      // the bfloat16 path rounds the weights to 8 bits: torch's faster exp (20 ULP) suffices
+      const auto exp = [](const Vec& v) { if constexpr (Bf16) return v.exp_u20(); else return v.exp(); };
       Vec alpha[2];
       for (int64_t x = 0; x < 2; ++x) {
-        alpha[x] = (Vec::loadu(s.m.data() + rb + x * kW) - mx[x]).exp();  // 0 on the first tile
+        alpha[x] = exp(Vec::loadu(s.m.data() + rb + x * kW) - mx[x]);  // 0 on the first tile
         mx[x].store(s.m.data() + rb + x * kW);
       }
       for (int64_t j = 0; j < kKeyTile; ++j)
         for (int64_t x = 0; x < 2; ++x) {
-          const Vec e = (Vec::loadu(pt + j * RB + x * kW) - mx[x]).exp();
+          const Vec e = exp(Vec::loadu(pt + j * RB + x * kW) - mx[x]);
           e.store(pt + j * RB + x * kW);
           sum[x] = sum[x] + e;
         }
