@@ -130,6 +130,18 @@ def _chunk_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
 
 
+def _chunk_case(seed: int, context: list[int], chunks: list[int], heads: int, kv_heads: int, dim: int, bs: int,
+                cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shuffled block tables, random K/V caches and queries for one chunk per request."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
+    tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
+    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    q = torch.randn(sum(chunks), heads, dim, generator=gen)
+    return tables, k_cache, v_cache, q
+
+
 def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       context: int, n: int) -> torch.Tensor:
     """float64 attention of one chunk's queries [n, heads, dim] over its request's cache."""
@@ -152,14 +164,9 @@ def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: i
     """Long chunks (more than SMALL_QUERY tokens) in one step, with and without cached context,
     of lengths around the kernel's 32-token items and 32-key tiles, against float64 causal
     attention over the same cached values; and the same step through SDPA."""
-    gen = torch.Generator().manual_seed(6)
     context = [0, 0, 5, 300, 33, 0, 31]
     chunks = [SMALL_QUERY + 1, 64, 40, 97, 256, 31, 33]
-    width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
-    tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
-    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    q = torch.randn(sum(chunks), heads, dim, generator=gen)
+    tables, k_cache, v_cache, q = _chunk_case(6, context, chunks, heads, kv_heads, dim, bs, cache_dtype)
     out = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
     try:
         torch.ops.stepserve_cpu.set_chunk_kernel(False)
@@ -184,14 +191,9 @@ def test_bf16_chunk_products_match_float64_to_bfloat16_precision(heads: int, kv_
     cached context; and not the float32 kernel's output (the bfloat16 path ran)."""
     if not torch.ops.stepserve_cpu.chunk_bf16_supported():
         pytest.skip("this build has no AVX512-BF16 (the CPU does not list avx512_bf16)")
-    gen = torch.Generator().manual_seed(7)
     context = [0, 5, 300, 33, 0]
     chunks = [SMALL_QUERY + 1, 40, 97, 256, 33]
-    width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
-    tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
-    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    q = torch.randn(sum(chunks), heads, dim, generator=gen)
+    tables, k_cache, v_cache, q = _chunk_case(7, context, chunks, heads, kv_heads, dim, bs, cache_dtype)
     exact = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
     out = _chunk_op(q, k_cache, v_cache, tables, context, chunks, bf16=True)
     start = 0
