@@ -168,7 +168,7 @@ def test_a_runner_keeps_copies_as_asked(smol_runner: Any) -> None:
     assert wide.attention.backend.bf16_chunks == bf16_attention
     amx = torch.cpu._is_amx_tile_supported()
     assert wide.info.extra["wide_steps"] == f"bf16-{'amx' if amx else 'avx'} above 4" + (
-        ", bf16 attention" if bf16_attention else "")
+        " with bf16 attention" if bf16_attention else "")
     tokens = list(range(100, 112))
     try:
         ours = _logits(wide, tokens, 0, 12).argmax(-1)

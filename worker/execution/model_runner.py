@@ -295,14 +295,14 @@ class ModelRunner(PlanRunner):
 
     def wide_steps(self) -> str:
         """How steps of many tokens run: "bf16-amx above 8" (a bf16 copy of the low-bit
-        weights, on AMX tiles where the CPU has them and oneDNN will use them; ", bf16
+        weights, on AMX tiles where the CPU has them and oneDNN will use them; " with bf16
         attention" where long chunks also attend in bfloat16), or the weights' own form
         ("low-bit")."""
         if self.kernels.dense_above is None:
             return "low-bit" if self.kernels.quantization != "none" else "dense"
         amx = bool(torch.cpu._is_amx_tile_supported())
         bf16_chunks = getattr(self.attention.backend, "bf16_chunks", False)
-        attention = ", bf16 attention" if bf16_chunks else ""
+        attention = " with bf16 attention" if bf16_chunks else ""
         return f"bf16-{'amx' if amx else 'avx'} above {self.kernels.dense_above}{attention}"
 
     def _settings(self) -> dict[str, object]:
