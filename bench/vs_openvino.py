@@ -25,7 +25,7 @@ is greedy with `ignore_eos`, so both generate exactly the tokens asked for. Scen
 - `accuracy`: the accuracy at which the speeds compare. Against stepserve's reference mode
   (float32, no quantization, eager: the numerics its parity tests hold to transformers), on
   the texts of stepserve's accuracy gate (`tests/worker/data`): teacher-forced top-1
-  agreement over the first 320 tokens of each of its 7 texts (2,056 positions, each read in
+  agreement over the first 320 tokens of each of its 7 texts (2,049 predictions, each read in
   a prefill: stepserve's prompt logprobs of the whole text, OpenVINO's greedy token after
   each prefix, 309k prompt tokens, since its pipeline returns no prompt logprobs), and
   greedy continuations of the gate's 9 prompts x 32 tokens (how many tokens agree before
@@ -133,18 +133,15 @@ class _Stepserve(_Engine):
         bodies = [
             {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True} for p, n in batch
         ]
-        answers = self.llm.run(bodies, chat=False)
-        bad = [a for a in answers if a.status != 200]
-        if bad:
-            raise RuntimeError(f"stepserve refused a request: {bad[0].body}")
-        return [a.body["usage"]["completion_tokens"] for a in answers]
+        return [body["usage"]["completion_tokens"] for body in self._answered(bodies)]
 
-    def _bodies(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _answered(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The response bodies, in order; a refusal ends the measurement."""
         answers = self.llm.run(bodies, chat=False)
         bad = [a for a in answers if a.status != 200]
         if bad:
             raise RuntimeError(f"stepserve refused a request: {bad[0].body}")
-        return [a.body["choices"][0] for a in answers]
+        return [a.body for a in answers]
 
     def teacher_forced(self, texts: list[list[int]]) -> list[list[int]]:
         bodies = [
@@ -154,7 +151,7 @@ class _Stepserve(_Engine):
         ]
         return [
             [int(next(k for k, v in lp.items() if v["rank"] == 1)) for lp in lps[1:]]
-            for lps in (c["prompt_logprobs"] for c in self._bodies(bodies))
+            for lps in (body["choices"][0]["prompt_logprobs"] for body in self._answered(bodies))
         ]
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -163,7 +160,7 @@ class _Stepserve(_Engine):
              "return_token_ids": True}
             for p in prompts
         ]
-        return [list(c["token_ids"]) for c in self._bodies(bodies)]
+        return [list(body["choices"][0]["token_ids"]) for body in self._answered(bodies)]
 
     def close(self) -> None:
         self.llm.close()
