@@ -142,6 +142,16 @@ def _chunk_case(seed: int, context: list[int], chunks: list[int], heads: int, kv
     return tables, k_cache, v_cache, q
 
 
+def _assert_each_chunk_close(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             tables: torch.Tensor, context: list[int], chunks: list[int], tol: float) -> None:
+    """Each request's chunk of `out` within `tol` of float64 causal attention over its cache."""
+    start = 0
+    for r, (c, n) in enumerate(zip(context, chunks, strict=True)):
+        want = _causal_reference(q[start : start + n], k_cache, v_cache, tables[r], c, n)
+        torch.testing.assert_close(out[start : start + n].double(), want, atol=tol, rtol=tol)
+        start += n
+
+
 def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       context: int, n: int) -> torch.Tensor:
     """float64 attention of one chunk's queries [n, heads, dim] over its request's cache."""
@@ -173,11 +183,7 @@ def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: i
         sdpa = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
     finally:
         torch.ops.stepserve_cpu.set_chunk_kernel(True)
-    start = 0
-    for r, (c, n) in enumerate(zip(context, chunks, strict=True)):
-        want = _causal_reference(q[start : start + n], k_cache, v_cache, tables[r], c, n)
-        torch.testing.assert_close(out[start : start + n].double(), want, atol=5e-6, rtol=5e-6)
-        start += n
+    _assert_each_chunk_close(out, q, k_cache, v_cache, tables, context, chunks, 5e-6)
     torch.testing.assert_close(out, sdpa, atol=5e-6, rtol=5e-6)
 
 
@@ -196,11 +202,7 @@ def test_bf16_chunk_products_match_float64_to_bfloat16_precision(heads: int, kv_
     tables, k_cache, v_cache, q = _chunk_case(7, context, chunks, heads, kv_heads, dim, bs, cache_dtype)
     exact = _chunk_op(q, k_cache, v_cache, tables, context, chunks)
     out = _chunk_op(q, k_cache, v_cache, tables, context, chunks, bf16=True)
-    start = 0
-    for r, (c, n) in enumerate(zip(context, chunks, strict=True)):
-        want = _causal_reference(q[start : start + n], k_cache, v_cache, tables[r], c, n)
-        torch.testing.assert_close(out[start : start + n].double(), want, atol=2e-2, rtol=2e-2)
-        start += n
+    _assert_each_chunk_close(out, q, k_cache, v_cache, tables, context, chunks, 2e-2)
     assert not torch.equal(out, exact)
     assert (out - exact).abs().max() < 2e-2
 
