@@ -91,17 +91,65 @@ def test_the_cut_over_is_below_the_first_width_where_the_copy_beats_every_form()
     assert _cut_over(never, 512, "gguf-dense", ["gguf-int4"]) is None  # type: ignore[arg-type]
 
 
+# a small model's shapes: hidden 64, 4 heads of 16 (2 for keys and values), MLP 128
+_SMALL: Any = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_the_probe_times_the_gguf_kernel_the_layers_run(int8_activations: bool) -> None:
+    """A GGUF file stores its scales in float16, so its layers take the tiled int8 kernel
+    where the CPU runs it; the probe's own quantized weights must take the same form (with
+    float32 scales they fell back to the float32-activation kernel, 2-4x slower at many
+    tokens, and the cut-over to the bf16 copy came far too early)."""
+    from worker.model.linear import int8_supported
+
+    probe = kernel_probe._Probe(_SMALL, int8_activations)
+    for form in ("gguf-int4", "gguf-int8"):
+        layers = probe.layers(form)
+        assert len(layers) == 4 * probe.copies
+        for layer, weight in zip(layers, probe.weights, strict=False):
+            assert isinstance(layer, GGUFLinear)
+            assert layer.tiled == (int8_activations and int8_supported())
+            # the product of the probe's weight, within its 4- or 8-bit rounding
+            x = torch.randn(3, weight.shape[1])
+            expected = x @ weight.T
+            assert (layer(x) - expected).norm() < 0.2 * expected.norm()
+
+
+def test_the_probe_times_one_layers_products_in_the_models_shapes() -> None:
+    probe = kernel_probe._Probe(_SMALL)
+    # q/k/v fused, o, gate/up fused, down
+    assert [tuple(w.shape) for w in probe.weights] == [(64 + 2 * 32, 64), (64, 64), (256, 64), (64, 128)]
+    assert probe.ms("gguf-dense", 4) > 0 and set(probe.timings) == {"gguf-dense@4"}
+
+
 def test_an_explicit_setting_measures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_probe(*args: Any) -> None:
         raise AssertionError("the probe ran")
 
     monkeypatch.setattr(kernel_probe._Probe, "ms", no_probe)
-    config: Any = SimpleNamespace(hidden_size=64, intermediate_size=128)
+    config: Any = _SMALL
     args: dict[str, Any] = {"native_kinds": {"int4"}, "max_tokens": 256, "dense_copy_bytes": 1,
                             "gguf_kernels": True}
     fixed = choose_kernels(config, "float32", "gguf", gguf_wide_steps="32", **args)
     assert (fixed.quantization, fixed.dense_above, fixed.timings_ms) == ("gguf", 32, {})
     assert choose_kernels(config, "float32", "gguf", gguf_wide_steps="blocks", **args).dense_above is None
+
+
+def test_the_cut_over_weighs_only_the_kinds_a_copy_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's file: Q4_1 products, a Q8_0 embedding table that is also the head. The head
+    keeps no bf16 copy, so how fast its kind runs wide steps does not move the cut-over."""
+    widths = kernel_probe.CUT_OVER_WIDTHS
+    table = {"gguf-dense": dict.fromkeys(widths, 1.0),
+             "gguf-int4": {w: w / 100 for w in widths},  # beaten from 128 on
+             "gguf-int8": dict.fromkeys(widths, 0.5)}  # never beaten
+    monkeypatch.setattr(kernel_probe._Probe, "ms", lambda self, form, tokens: table[form][tokens])
+    args: dict[str, Any] = {"native_kinds": {"int4", "int8"}, "max_tokens": 512,
+                            "dense_copy_bytes": 1, "gguf_kernels": True}
+    assert choose_kernels(_SMALL, "float32", "gguf", copied_kinds={"int4"}, **args).dense_above == 64
+    assert choose_kernels(_SMALL, "float32", "gguf", **args).dense_above is None
+    assert choose_kernels(_SMALL, "float32", "gguf", copied_kinds=set(), **args).dense_above is None
 
 
 def test_the_choice_is_remembered_per_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,6 +214,7 @@ def test_a_runner_keeps_copies_as_asked(smol_runner: Any) -> None:
     # long chunks attend in bfloat16 with the copy, where the build has AVX512-BF16
     bf16_attention = bool(torch.ops.stepserve_cpu.chunk_bf16_supported())
     assert wide.attention.backend.bf16_chunks == bf16_attention
+    assert wide.attention.backend.bf16_above == (4 if bf16_attention else 1 << 62)
     amx = torch.cpu._is_amx_tile_supported()
     assert wide.info.extra["wide_steps"] == f"bf16-{'amx' if amx else 'avx'} above 4" + (
         " with bf16 attention" if bf16_attention else "")
@@ -179,6 +228,36 @@ def test_a_runner_keeps_copies_as_asked(smol_runner: Any) -> None:
     finally:
         smol_runner.batch.remove("tf")
     assert (ours == ref).float().mean() >= 0.9
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_chunks_attend_in_bf16_only_in_steps_on_the_copy() -> None:
+    """With the cut-over at 24 tokens, a 20-token chunk (the chunk kernel's, above 16, but
+    its products on the blocks) attends in float32, and a 40-token one (on the copy) in
+    bfloat16 where the build has AVX512-BF16."""
+    from worker.attention.cpu_backend import ALL_QUERIES
+    from worker.config import WorkerConfig
+    from worker.execution.model_runner import ModelRunner
+
+    runner = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=16 << 20, max_model_len=256,
+                                      num_threads=1, enforce_eager=True, gguf_wide_steps="24"))
+    backend = runner.attention.backend
+    bf16 = bool(torch.ops.stepserve_cpu.chunk_bf16_supported())
+    assert backend.bf16_chunks == bf16
+    tokens = list(range(100, 140))
+
+    def logits(n: int, float32_attention: bool) -> torch.Tensor:
+        above = backend.bf16_above
+        backend.bf16_above = ALL_QUERIES if float32_attention else above
+        try:
+            return _logits(runner, tokens, 0, n)
+        finally:
+            backend.bf16_above = above
+            runner.batch.remove("tf")
+
+    assert torch.equal(logits(20, False), logits(20, True))
+    assert torch.equal(logits(40, False), logits(40, True)) != bf16
 
 
 @needs_kernels

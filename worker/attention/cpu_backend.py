@@ -17,7 +17,8 @@ from worker.kernels.build import available
 # A request with at most this many query tokens attends through the per-token kernel (each
 # token its own work items); longer chunks through the chunk kernel (32-token blocks of
 # queries against 32-key tiles; float32 queries of head size 64 or 128, else torch's SDPA;
-# its products in bfloat16 with the wide steps' bf16 copy, see `use_bf16_chunks`).
+# its products in bfloat16 in the steps whose linear products run on the wide steps' bf16
+# copy, see `use_bf16_chunks`).
 # The crossover measured 12-17 tokens (bench/RESULTS.md). The chunk kernel sums in another
 # order than the per-token one, so a chunk's output then depends on how the prompt was
 # chunked: batch-invariant mode sends every chunk through the per-token kernel.
@@ -44,12 +45,18 @@ class CpuPagedAttention:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
         self.small_query = ALL_QUERIES if batch_invariant else SMALL_QUERY
         self.bf16_chunks = False
+        self.bf16_above = ALL_QUERIES  # steps of more tokens than this attend in bf16
 
-    def use_bf16_chunks(self, on: bool) -> bool:
+    def use_bf16_chunks(self, above: int | None) -> bool:
         """Long chunks' two products (Q K^T, P V) as AVX512-BF16 dot products, their operands
-        rounded to bfloat16 (sums and softmax in float32), where this build has them: the
-        worker turns them on with the wide steps' bf16 weight copy. Whether they are on."""
-        self.bf16_chunks = on and bool(torch.ops.stepserve_cpu.chunk_bf16_supported())
+        rounded to bfloat16 (sums and softmax in float32), where this build has them, in
+        steps of more than `above` tokens (None: never): the worker passes the wide steps'
+        cut-over, so attention rounds to bf16 exactly in the steps whose linear products
+        run on the bf16 weight copy. Whether they are on at all."""
+        self.bf16_chunks = above is not None and bool(
+            torch.ops.stepserve_cpu.chunk_bf16_supported()
+        )
+        self.bf16_above = above if above is not None and self.bf16_chunks else ALL_QUERIES
         return self.bf16_chunks
 
     def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:
@@ -67,7 +74,8 @@ class CpuPagedAttention:
             # session, a bench comparing two) would be read and written in their place
             self._register()
         torch.ops.stepserve_cpu.bind_step(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, self.small_query, self.bf16_chunks)
+                                          meta.block_tables, self.small_query,
+                                          meta.num_tokens > self.bf16_above)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int

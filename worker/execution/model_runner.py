@@ -144,8 +144,8 @@ class ModelRunner(PlanRunner):
             config.batch_invariant,
         )
         if isinstance(backend, CpuPagedAttention):
-            # long chunks' attention in bfloat16 where their linear products already are
-            backend.use_bf16_chunks(self.kernels.dense_above is not None)
+            # long chunks' attention in bfloat16 in the steps whose linear products already are
+            backend.use_bf16_chunks(self.kernels.dense_above)
         if config.batch_invariant and (
             self.kernels.quantization != "gguf" or backend.name != "cpu"
         ):
@@ -185,6 +185,7 @@ class ModelRunner(PlanRunner):
         if config.quantization == "gguf" and path.suffix != ".gguf":
             raise ValueError(f"quantization=gguf needs a GGUF model file, got {path}")
         native = gguf_native_kinds(path) if path.suffix == ".gguf" else set()
+        copied = gguf_native_kinds(path, projections_only=True) if native else set()
         linear_params = sum(
             math.prod(shape)
             for name, shape in expected_shapes(model_config).items()
@@ -194,16 +195,19 @@ class ModelRunner(PlanRunner):
 
         # a row's product on the bf16 copy would depend on how many rows share its step
         wide = "blocks" if config.batch_invariant else config.gguf_wide_steps
+        int8_activations = config.gguf_activations != "float32"
         inputs = {
             "model": dataclasses.asdict(model_config), "dtype": config.dtype,
             "quantization": config.quantization, "native": sorted(native),
             "max_tokens": config.max_num_batched_tokens, "copy_bytes": 2 * linear_params,
             "gguf_kernels": available()[0], "gguf_wide_steps": wide,
+            "gguf_int8_activations": int8_activations, "copied": sorted(copied),
         }
         return remembered(inputs, lambda: choose_kernels(
             model_config, config.dtype, config.quantization, native,
             config.max_num_batched_tokens, dense_copy_bytes=2 * linear_params,
             gguf_kernels=available()[0], gguf_wide_steps=wide,
+            gguf_int8_activations=int8_activations, copied_kinds=copied,
         ))
 
     def _forward(self) -> tuple[Forward, bool, str]:

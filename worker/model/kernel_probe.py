@@ -4,8 +4,8 @@ the dtype, the quantization and int4's dense cut-over from the measurements.
 CPU flags do not say which kernels are fast (an AVX2-only machine ran bf16 matmuls 2-6x
 slower than fp32; AVX-512 BF16 machines ~2x faster; int4/int8 weight-only kernels read 4-8x
 fewer bytes but compute slower at many tokens), so every choice left to `auto` is made
-from timings of the model's MLP matmul at one token (a decode step) and at `WIDE` tokens
-(a batch or a prefill chunk), a second or less in all.
+from timings of one decoder layer's linear products at one token (a decode step) and at
+`WIDE` tokens (a batch or a prefill chunk), a few seconds in all.
 
     quantization auto   gguf for a GGUF file whose blocks, through stepserve's float32
                         kernel, beat a float32 dense matmul at one token; otherwise none (a
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from worker.model.config import ModelConfig
-from worker.model.quant import quantize_int4, quantize_int8
+from worker.model.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 log = logging.getLogger("stepserve.worker")
 
@@ -75,68 +75,85 @@ def median_ms(fn: Callable[[], object], repeat: int = 7) -> float:
 
 
 class _Probe:
-    """Timings of the model's gate/up matmul in every form, memoised.
+    """Timings of one decoder layer's linear products (q/k/v and gate/up fused, as the model
+    runs them, then o and down) in every form, memoised.
 
-    Each form's timing runs over several copies of the weight, more bytes in float32 than
-    twice the last-level cache, so one token streams its weights from memory as a decode
-    step of the whole model does (one cache-resident matrix would hide the bandwidth that
-    separates the forms at one token)."""
+    All four shapes, not one: the forms' relative speed depends on the shape (on a Zen 4,
+    at 512 tokens the int8 kernel took 1.15x the bf16 copy's time on gate/up but 1.2-1.3x
+    on the others; at 48 tokens 0.96x on gate/up, 0.64-0.78x on the others). Each form's
+    timing runs over several copies of the layer, more bytes in float32 than twice the
+    last-level cache, so one token streams its weights from memory as a decode step of the
+    whole model does (one cache-resident matrix would hide the bandwidth that separates the
+    forms at one token)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        n = min(2 * config.intermediate_size, _PROBE_DIM_CAP)
-        k = min(config.hidden_size, _PROBE_DIM_CAP) // 32 * 32 or 32
+    def __init__(self, config: ModelConfig, int8_activations: bool = True) -> None:
+        self.int8_activations = int8_activations  # the GGUF forms as the model will run them
+        hidden, inter = config.hidden_size, config.intermediate_size
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
         gen = torch.Generator().manual_seed(0)
-        self.weight = torch.randn(n, k, generator=gen) * 0.02
-        self.copies = max(1, min(_MAX_COPIES, -(-2 * _llc_bytes() // self.weight.nbytes)))
-        self.k = k
+        self.weights = [
+            torch.randn(min(n, _PROBE_DIM_CAP), min(k, _PROBE_DIM_CAP) // 32 * 32 or 32,
+                        generator=gen) * 0.02
+            for n, k in ((q_size + 2 * kv_size, hidden), (hidden, q_size),
+                         (2 * inter, hidden), (hidden, inter))
+        ]
+        layer_bytes = sum(w.nbytes for w in self.weights)
+        self.copies = max(1, min(_MAX_COPIES, -(-2 * _llc_bytes() // layer_bytes)))
         self.timings: dict[str, float] = {}
         self._layers: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
 
     def layers(self, form: str) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """`copies` x the layer's products in `form`, in the order of `weights`."""
         if form not in self._layers:
-            from worker.model.linear import make_linear
-
-            if form in ("float32", "bfloat16"):
-                dtype = getattr(torch, form)
-                made = [
-                    make_linear(self.weight.to(dtype).clone(), dtype) for _ in range(self.copies)
-                ]
-            elif form == "gguf-dense":  # a GGUF layer's bf16 copy, float32 in and out
-                q = quantize_int4(self.weight)
-                made = [
-                    make_linear(q, torch.float32, dense_above=0) for _ in range(self.copies)
-                ]
-            else:  # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
-                kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
-                q = (
-                    quantize_int8(self.weight, 32 if gguf else None)
-                    if kind == "int8"
-                    else quantize_int4(self.weight)
-                )
-                made = [
-                    make_linear(q, torch.float32 if gguf else torch.bfloat16)
-                    for _ in range(self.copies)
-                ]
-            self._layers[form] = made  # type: ignore[assignment]
+            self._layers[form] = [
+                self._make(form, w) for _ in range(self.copies) for w in self.weights
+            ]
         return self._layers[form]
 
+    def _make(self, form: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        from worker.model.linear import make_linear
+
+        if form in ("float32", "bfloat16"):
+            dtype = getattr(torch, form)
+            return make_linear(weight.to(dtype).clone(), dtype)
+        if form == "gguf-dense":  # a GGUF layer's bf16 copy, float32 in and out
+            return make_linear(quantize_int4(weight), torch.float32, dense_above=0)
+        # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
+        kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
+        q = quantize_int8(weight, 32 if gguf else None) if kind == "int8" else quantize_int4(weight)
+        if gguf:
+            q = as_stored_in_gguf(q)
+        return make_linear(q, torch.float32 if gguf else torch.bfloat16,
+                           int8_activations=self.int8_activations)
+
     def ms(self, form: str, tokens: int) -> float:
-        """Milliseconds of one matmul of `tokens` rows in `form` (weights from memory)."""
+        """Milliseconds of one layer's products over `tokens` rows in `form` (weights from
+        memory)."""
         key = f"{form}@{tokens}"
         if key not in self.timings:
             dtype = (
                 torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
             )
-            x = torch.randn(tokens, self.k).to(dtype)
-            layers = self.layers(form)
+            inputs = [torch.randn(tokens, w.shape[1]).to(dtype) for w in self.weights]
+            pairs = list(zip(self.layers(form), inputs * self.copies, strict=True))
 
             def sweep() -> None:
-                for layer in layers:
+                for layer, x in pairs:
                     layer(x)
 
             with torch.inference_mode():
-                self.timings[key] = median_ms(sweep, repeat=5) / len(layers)
+                self.timings[key] = median_ms(sweep, repeat=5) / self.copies
         return self.timings[key]
+
+
+def as_stored_in_gguf(q: QuantizedWeight) -> QuantizedWeight:
+    """`q` with its scales and offsets rounded to float16, as a GGUF file stores them: the
+    layer then takes the form a file's layers take (csrc/int8_linear.cpp's tiles where the
+    CPU runs them; float32 scales would leave it on the float32-activation kernel, which
+    is 2-4x slower at many tokens, and the cut-over would come too early)."""
+    offset = None if q.offset is None else q.offset.half().float()
+    return QuantizedWeight(q.kind, q.q, q.scale.half().float(), offset, q.group_size)
 
 
 def _llc_bytes() -> int:
@@ -154,13 +171,18 @@ def _llc_bytes() -> int:
 def choose_kernels(
     config: ModelConfig, dtype: str, quantization: str, native_kinds: set[str], max_tokens: int,
     dense_copy_bytes: int, gguf_kernels: bool, gguf_wide_steps: str = "auto",
+    gguf_int8_activations: bool = True, copied_kinds: set[str] | None = None,
 ) -> KernelChoice:
     """Resolve `auto` dtype / quantization on CPU by measurement. `native_kinds`: the low-bit
     kinds ("int4", "int8") a GGUF file stores natively (empty for other formats);
     `dense_copy_bytes`: what a bf16 copy of the linear weights would take; `gguf_kernels`:
     whether stepserve's C++ kernels built here; `gguf_wide_steps`: for gguf, "auto" (a bf16
-    copy for wide steps where measured faster), "blocks" (no copy) or a cut-over in tokens."""
-    probe = _Probe(config)
+    copy for wide steps where measured faster), "blocks" (no copy) or a cut-over in tokens;
+    `gguf_int8_activations`: whether the GGUF products may take int8 activations (False:
+    --gguf-activations float32), so the probe times the kernel the layers will run;
+    `copied_kinds`: the kinds of the weights a bf16 copy would serve (the decoder layers'
+    products; the head keeps none), `native_kinds` when not given."""
+    probe = _Probe(config, gguf_int8_activations)
     if quantization == "auto":
         quantization = "none"
         # GGUF: its blocks through our float32 kernel where that beats float32 dense at one
@@ -184,8 +206,9 @@ def choose_kernels(
     elif quantization == "gguf" and gguf_wide_steps.isdigit():
         dense_above = int(gguf_wide_steps)
     elif fits and quantization == "gguf" and gguf_wide_steps == "auto":
-        low = [f"gguf-{kind}" for kind in sorted(native_kinds)]
-        dense_above = _cut_over(probe, max_tokens, "gguf-dense", low)
+        kinds = native_kinds if copied_kinds is None else copied_kinds
+        low = [f"gguf-{kind}" for kind in sorted(kinds)]
+        dense_above = _cut_over(probe, max_tokens, "gguf-dense", low) if low else None
     return KernelChoice(getattr(torch, dtype), quantization, dense_above, dict(probe.timings))
 
 

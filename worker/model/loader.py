@@ -27,12 +27,18 @@ def load_config(path: Path) -> ModelConfig:
     return read_gguf_config(path)[0]
 
 
-def gguf_native_kinds(path: Path) -> set[str]:
-    """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively."""
+def gguf_native_kinds(path: Path, projections_only: bool = False) -> set[str]:
+    """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively; with
+    `projections_only`, those of the decoder layers' linear products alone (not the
+    embedding table and head)."""
     from worker.model.gguf_weights import NATIVE_GGML_TYPES, hf_name
 
     _, gguf = read_gguf_config(path)
-    kinds = {t.kind for t in gguf.tensors if hf_name(t.name) is not None}
+    kinds = {
+        t.kind for t in gguf.tensors
+        if (name := hf_name(t.name)) is not None
+        and (not projections_only or name.endswith("proj.weight"))
+    }
     return {"int8" if kind == "Q8_0" else "int4" for kind in kinds & set(NATIVE_GGML_TYPES)}
 
 
