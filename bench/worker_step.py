@@ -260,7 +260,8 @@ def measure_steps(bench: Bench, decodes: list[tuple[int, int]], chunks: list[tup
 
 
 def build_runner(
-    args: argparse.Namespace, gguf_activations: str = "auto", kv_cache_dtype: str | None = None
+    args: argparse.Namespace, gguf_activations: str = "auto", kv_cache_dtype: str | None = None,
+    gguf_wide_steps: str | None = None,
 ) -> ModelRunner:
     config = WorkerConfig(
         model=args.model,
@@ -274,6 +275,7 @@ def build_runner(
         compile_wait=True,
         gguf_activations=gguf_activations,
         kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype,
+        gguf_wide_steps=gguf_wide_steps or args.gguf_wide_steps,
     )
     if args.model_shape is None:
         return ModelRunner(config)
@@ -619,6 +621,24 @@ def kv_cache_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]
     return runners_ab({mine: runner, "float32": build_runner(args, kv_cache_dtype="float32")}, args)
 
 
+def wide_steps_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
+    """This runner's wide steps (`--gguf-wide-steps`, the probe's cut-over by default)
+    against `--compare-wide-steps`' setting (`runners_ab`), each arm named by where its
+    bf16 copy takes over ("above N", or "blocks" without one)."""
+    if runner.kernels.quantization != "gguf":
+        return {"skipped": f"this runner's quantization is {runner.kernels.quantization}, not gguf"}
+    other = build_runner(args, gguf_wide_steps=args.compare_wide_steps)
+
+    def name(r: ModelRunner) -> str:
+        cut = r.kernels.dense_above
+        return "blocks" if cut is None else f"above_{cut}"
+
+    if name(runner) == name(other):
+        return {"skipped": f"both runners' wide steps are {name(runner)}"}
+    arms = {name(runner): runner, name(other): other}
+    return {"arms": list(arms), **runners_ab(arms, args)}  # type: ignore[arg-type]
+
+
 def chunk_attention_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
     """Long prefill chunks through the C++ chunk kernel (the default on the C++ attention)
     against torch's SDPA, the same runner switched between turns (`runners_ab`)."""
@@ -716,6 +736,16 @@ def main(argv: list[str] | None = None) -> int:
         help="timed rounds of every --compare-* A/B, an even number (half in each order)",
     )
     parser.add_argument(
+        "--gguf-wide-steps", default="auto",
+        help="the runner's --gguf-wide-steps (auto: the probe's cut-over; blocks; or N tokens)",
+    )
+    parser.add_argument(
+        "--compare-wide-steps",
+        metavar="SETTING",
+        help="also time every decode batch and prefill chunk with this runner's wide steps "
+        "against a second runner's --gguf-wide-steps SETTING (e.g. 8, blocks), the same way",
+    )
+    parser.add_argument(
         "--compare-chunk-attention",
         action="store_true",
         help="also time every decode batch and prefill chunk (after the first --chunk-context) "
@@ -753,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         report["kv_cache"] = kv_cache_ab(runner, args)
     if args.compare_chunk_attention:
         report["chunk_attention"] = chunk_attention_ab(runner, args)
+    if args.compare_wide_steps:
+        report["wide_steps"] = wide_steps_ab(runner, args)
     if args.compare_dtypes and args.model_shape is None:
         base = greedy_tokens(runner, 8, 32, 32)
         del runner

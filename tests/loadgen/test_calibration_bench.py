@@ -98,3 +98,19 @@ def test_worker_step_compares_chunk_attention_on_one_runner(monkeypatch: pytest.
     assert len(turns) == 3 * 2 * 2 and turns.count(True) == turns.count(False)  # a warm-up round and 2 timed
     assert turns[:4] == [False, True, False, True] and turns[4:8] == [True, False, True, False]
     assert calls[-1] is True
+
+
+def test_worker_step_compares_wide_steps_between_two_runners(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--compare-wide-steps` times this runner's wide steps against a second runner's
+    setting, each arm named by where its bf16 copy takes over."""
+    from worker.kernels.build import available
+
+    if not available()[0]:
+        pytest.skip(f"the GGUF kernels are unavailable: {available()[1]}")
+    assert worker_step.main(["--enforce-eager", "--threads", "2", "--batches", "4", "--context", "16",
+                             "--chunks", "24", "--repeat", "1", "--kv-cache-gib", "1", "--max-model-len", "256",
+                             "--gguf-wide-steps", "8", "--compare-wide-steps", "blocks", "--ab-rounds", "2"]) == 0
+    ab = json.loads(capsys.readouterr().out)["wide_steps"]
+    assert ab["arms"] == ["above_8", "blocks"]
+    assert set(ab) == {"arms", "decode_4", "prefill_24"}
+    assert all(v["above_8_ms"] > 0 and v["blocks_ms"] > 0 for k, v in ab.items() if k != "arms")

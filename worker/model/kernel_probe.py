@@ -15,9 +15,11 @@ from timings of one decoder layer's linear products at one token (a decode step)
                         widths, as --quantization int8/int4 (torch's kernels) require
     dense copy          (gguf, int4) a bf16 copy of the linear weights kept for steps of
                         many tokens, when dense bf16 beats the low-bit kernel from some width
-                        on and the copy fits in a quarter of the memory; for gguf the dense
-                        form is timed as it runs, float32 activations rounded to bf16 and
-                        back (oneDNN runs it on AMX tiles where the CPU has them)
+                        on and the copy fits in a quarter of the memory; for gguf the copy's
+                        products are timed on bf16 activations (the compiled forward fuses
+                        the casts around them) against the blocks' kernel as a file's
+                        layers run it (oneDNN runs the copy on AMX tiles where the CPU has
+                        them)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 from worker.model.quant import QuantizedWeight, quantize_int4, quantize_int8
@@ -117,8 +120,10 @@ class _Probe:
         if form in ("float32", "bfloat16"):
             dtype = getattr(torch, form)
             return make_linear(weight.to(dtype).clone(), dtype)
-        if form == "gguf-dense":  # a GGUF layer's bf16 copy, float32 in and out
-            return make_linear(quantize_int4(weight), torch.float32, dense_above=0)
+        if form == "gguf-dense":  # a GGUF layer's bf16 copy, bf16 in and out (see `ms`)
+            copy = make_linear(quantize_int4(weight), torch.float32, dense_above=0).dense
+            assert copy is not None
+            return lambda x: F.linear(x, copy)
         # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
         kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")
         q = quantize_int8(weight, 32 if gguf else None) if kind == "int8" else quantize_int4(weight)
@@ -132,9 +137,13 @@ class _Probe:
         memory)."""
         key = f"{form}@{tokens}"
         if key not in self.timings:
-            dtype = (
-                torch.float32 if form == "float32" or form.startswith("gguf-") else torch.bfloat16
-            )
+            # The copy's product takes bf16 activations: the compiled forward fuses the layer's
+            # float32 -> bf16 -> float32 casts into the operations around it (timed as
+            # passes of their own they cost the copy 10-15 % and moved the cut-over from 64
+            # to 128 tokens on a Zen 4, where whole steps of 128 tokens ran 1.12x faster on
+            # the copy than on the blocks).
+            low_bit = form.startswith("gguf-") and form != "gguf-dense"
+            dtype = torch.float32 if form == "float32" or low_bit else torch.bfloat16
             inputs = [torch.randn(tokens, w.shape[1]).to(dtype) for w in self.weights]
             pairs = list(zip(self.layers(form), inputs * self.copies, strict=True))
 
