@@ -44,8 +44,12 @@ class CpuPagedAttention:
         if not ok:
             raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
         self.small_query = ALL_QUERIES if batch_invariant else SMALL_QUERY
-        self.bf16_chunks = False
         self.bf16_above = ALL_QUERIES  # steps of more tokens than this attend in bf16
+
+    @property
+    def bf16_chunks(self) -> bool:
+        """Whether any step's long chunks attend in bfloat16."""
+        return self.bf16_above != ALL_QUERIES
 
     def use_bf16_chunks(self, above: int | None) -> bool:
         """Long chunks' two products (Q K^T, P V) as AVX512-BF16 dot products, their operands
@@ -53,10 +57,8 @@ class CpuPagedAttention:
         steps of more than `above` tokens (None: never): the worker passes the wide steps'
         cut-over, so attention rounds to bf16 exactly in the steps whose linear products
         run on the bf16 weight copy. Whether they are on at all."""
-        self.bf16_chunks = above is not None and bool(
-            torch.ops.stepserve_cpu.chunk_bf16_supported()
-        )
-        self.bf16_above = above if above is not None and self.bf16_chunks else ALL_QUERIES
+        supported = bool(torch.ops.stepserve_cpu.chunk_bf16_supported())
+        self.bf16_above = above if above is not None and supported else ALL_QUERIES
         return self.bf16_chunks
 
     def set_cache(self, kv_layers: list[KVCacheLayer]) -> None:

@@ -184,8 +184,7 @@ class ModelRunner(PlanRunner):
             return KernelChoice(resolve_dtype(config.dtype, self.device), "none", None)
         if config.quantization == "gguf" and path.suffix != ".gguf":
             raise ValueError(f"quantization=gguf needs a GGUF model file, got {path}")
-        native = gguf_native_kinds(path) if path.suffix == ".gguf" else set()
-        copied = gguf_native_kinds(path, projections_only=True) if native else set()
+        native, copied = gguf_native_kinds(path) if path.suffix == ".gguf" else (set(), set())
         linear_params = sum(
             math.prod(shape)
             for name, shape in expected_shapes(model_config).items()

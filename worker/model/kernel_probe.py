@@ -5,7 +5,7 @@ CPU flags do not say which kernels are fast (an AVX2-only machine ran bf16 matmu
 slower than fp32; AVX-512 BF16 machines ~2x faster; int4/int8 weight-only kernels read 4-8x
 fewer bytes but compute slower at many tokens), so every choice left to `auto` is made
 from timings of one decoder layer's linear products at one token (a decode step) and at
-`WIDE` tokens (a batch or a prefill chunk), a few seconds in all.
+`WIDE` tokens (a batch or a prefill chunk), about a second in all.
 
     quantization auto   gguf for a GGUF file whose blocks, through stepserve's float32
                         kernel, beat a float32 dense matmul at one token; otherwise none (a
@@ -121,8 +121,7 @@ class _Probe:
             dtype = getattr(torch, form)
             return make_linear(weight.to(dtype).clone(), dtype)
         if form == "gguf-dense":  # a GGUF layer's bf16 copy, bf16 in and out (see `ms`)
-            copy = make_linear(quantize_int4(weight), torch.float32, dense_above=0).dense
-            assert copy is not None
+            copy = quantize_int4(weight).dequantize(torch.bfloat16)  # as GGUFLinear.keep_dense
             return lambda x: F.linear(x, copy)
         # "int8" / "int4": torch's kernels (bf16); "gguf-int8" / "gguf-int4": ours (fp32)
         kind, gguf = form.removeprefix("gguf-"), form.startswith("gguf-")

@@ -27,19 +27,23 @@ def load_config(path: Path) -> ModelConfig:
     return read_gguf_config(path)[0]
 
 
-def gguf_native_kinds(path: Path, projections_only: bool = False) -> set[str]:
-    """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively; with
-    `projections_only`, those of the decoder layers' linear products alone (not the
-    embedding table and head)."""
+def gguf_native_kinds(path: Path) -> tuple[set[str], set[str]]:
+    """The low-bit forms ("int4", "int8") a GGUF file's matrices map onto natively: of all
+    of them, and of the decoder layers' linear products alone (not the embedding table and
+    head), from one read of the header."""
     from worker.model.gguf_weights import NATIVE_GGML_TYPES, hf_name
 
     _, gguf = read_gguf_config(path)
-    kinds = {
-        t.kind for t in gguf.tensors
-        if (name := hf_name(t.name)) is not None
-        and (not projections_only or name.endswith("proj.weight"))
-    }
-    return {"int8" if kind == "Q8_0" else "int4" for kind in kinds & set(NATIVE_GGML_TYPES)}
+    native = set(NATIVE_GGML_TYPES)
+    names = [(hf_name(t.name), t.kind) for t in gguf.tensors if t.kind in native]
+
+    def forms(kinds: set[str]) -> set[str]:
+        return {"int8" if kind == "Q8_0" else "int4" for kind in kinds}
+
+    return (
+        forms({kind for name, kind in names if name is not None}),
+        forms({kind for name, kind in names if name is not None and name.endswith("proj.weight")}),
+    )
 
 
 def load_weights(
