@@ -7,6 +7,7 @@ machine's measured matmul rate and memory bandwidth (the rooflines), printed as 
     python -m bench.worker_step --breakdown            # where a step's time goes, phase by phase
     python -m bench.worker_step --batches 1 16 --chunks 256 --context 96 --compare-activations
     python -m bench.worker_step --batches 1 64 --chunks 256 --context 400 --compare-kv-cache
+    python -m bench.worker_step --kv-cache-dtype int8 --context 400 --compare-kv-cache float16
     python -m bench.worker_step --batches 1 --chunks 256 1024 --chunk-context 0 \
         --compare-chunk-attention
 
@@ -45,7 +46,7 @@ import torch
 from common.arith import cdiv
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling import SamplingParams
-from worker.config import WorkerConfig, WorkerInfo
+from worker.config import KV_CACHE_DTYPES, WorkerConfig, WorkerInfo
 from worker.execution.model_runner import ModelRunner, resolve_device, resolve_dtype
 from worker.model.config import ModelConfig
 from worker.model.loader import expected_shapes
@@ -614,11 +615,12 @@ def activations_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, A
 
 
 def kv_cache_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
-    """This runner's KV cache element type against a float32 cache (`runners_ab`)."""
-    mine = runner.info.kv_cache_dtype
-    if mine == "float32":
-        return {"skipped": "this runner's KV cache is float32 already"}
-    return runners_ab({mine: runner, "float32": build_runner(args, kv_cache_dtype="float32")}, args)
+    """This runner's KV cache element type against another (`--compare-kv-cache`, float32
+    unless named; `runners_ab`)."""
+    mine, other = runner.info.kv_cache_dtype, args.compare_kv_cache
+    if mine == other:
+        return {"skipped": f"this runner's KV cache is {other} already"}
+    return runners_ab({mine: runner, other: build_runner(args, kv_cache_dtype=other)}, args)
 
 
 def wide_steps_ab(runner: ModelRunner, args: argparse.Namespace) -> dict[str, Any]:
@@ -704,9 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=4,
                         help="CPU KV cache size; every decode batch stays cached for the whole run "
                              "(the default grid needs ~2.2 GiB with SmolLM2 in fp32)")
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument(
         "--compare-dtypes", action="store_true", help="also run bfloat16 and compare greedy outputs"
     )
@@ -725,9 +725,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--compare-kv-cache",
-        action="store_true",
+        nargs="?",
+        const="float32",
+        choices=KV_CACHE_DTYPES[1:],
         help="also time every decode batch and prefill chunk with this runner's KV cache element "
-        "type (float16 by default on the C++ attention) against a float32 cache, the same way",
+        "type (float16 by default on the C++ attention) against another (float32 unless "
+        "named), the same way",
     )
     parser.add_argument(
         "--ab-rounds",

@@ -20,6 +20,8 @@ from common.model_files import ModelLoadError
 # --helper-cpu-scheduling)
 HELPER_CPU_SCHEDULING = ("normal", "idle", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# int8: per (token, kv head) symmetric int8 rows with a float32 scale (worker.attention.kv_rows)
+KV_CACHE_DTYPES = (*DTYPES, "int8")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 GGUF_ACTIVATIONS = ("auto", "int8", "float32")
 GGUF_WIDE_STEPS = ("auto", "blocks")
@@ -92,7 +94,7 @@ class WorkerConfig:
         _one_of("gguf_activations", self.gguf_activations, GGUF_ACTIVATIONS)
         if not self.gguf_wide_steps.isdigit():
             _one_of("gguf_wide_steps", self.gguf_wide_steps, GGUF_WIDE_STEPS)
-        _one_of("kv_cache_dtype", self.kv_cache_dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("helper_cpu_scheduling", self.helper_cpu_scheduling, HELPER_CPU_SCHEDULING)
         _one_of("log_level", self.log_level, LOG_LEVELS)

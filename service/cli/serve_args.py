@@ -29,6 +29,7 @@ from worker.config import (
     GGUF_ACTIVATIONS,
     GGUF_WIDE_STEPS,
     HELPER_CPU_SCHEDULING,
+    KV_CACHE_DTYPES,
     LOG_LEVELS,
     QUANTIZATIONS,
 )
@@ -184,9 +185,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_cache(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's element type (auto: float16 for a GGUF model on the C++ "
-                   "CPU attention, else --dtype's; docs/cpu.md)")
+                   "CPU attention, else --dtype's; int8: CPU only; docs/cpu.md)")
     g.add_argument("--kv-cache-memory", type=_size_arg, default="1GiB",
                    help="KV cache size on the CPU, e.g. 1GiB, 512MiB (default %(default)s)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

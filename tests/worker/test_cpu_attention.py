@@ -1,6 +1,7 @@
 """The C++ CPU attention backend against the portable torch backend: same outputs and the
 same cache writes over mixed steps (decodes of skewed lengths, short and long prefill
-chunks, with and without cached context), in float32 and bfloat16."""
+chunks, with and without cached context), in float32 and bfloat16, over caches of float32,
+bfloat16, float16 and int8 rows (`worker.attention.kv_rows`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from scheduler.sampling import SamplingParams
 from worker.attention.cpu_backend import SMALL_QUERY
+from worker.attention.kv_rows import SCALE_BYTES, cache_values, dequantize_rows, quantize_rows
 from worker.attention.step import StepAttention
 from worker.attention.torch_backend import TorchAttention
 from worker.execution.input_batch import InputBatch, RequestState
@@ -18,6 +20,17 @@ from worker.kernels.build import available, isa_flags
 pytestmark = pytest.mark.skipif(not available()[0], reason=f"cpu attention unavailable: {available()[1]}")
 
 HEADS, KV_HEADS, BS, BLOCKS = 6, 2, 4, 96
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def _cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float values [..., D] as a cache of `dtype` (int8: quantized rows [..., D + 4])."""
+    return quantize_rows(values) if dtype == torch.int8 else values.to(dtype)
+
+
+def _values(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's values in float64, [..., D]."""
+    return cache_values(cache, torch.float64)
 
 
 def _step(batch: InputBatch, counts: dict[str, tuple[int, int]]) -> tuple[list[tuple[RequestState, int]], int]:
@@ -35,8 +48,11 @@ def _step(batch: InputBatch, counts: dict[str, tuple[int, int]]) -> tuple[list[t
 
 
 @pytest.mark.parametrize("dim", [64, 128, 16])  # the two vectorized head sizes, and the generic loop
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_matches_torch_backend(dtype: torch.dtype, dim: int) -> None:
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
+    (torch.bfloat16, torch.int8),
+])
+def test_cpu_backend_matches_torch_backend(dtype: torch.dtype, cache_dtype: torch.dtype, dim: int) -> None:
     from worker.attention.cpu_backend import CpuPagedAttention
 
     # decodes at 1, 9 and 37 keys; a short chunk with context; a long one with and without
@@ -49,14 +65,14 @@ def test_cpu_backend_matches_torch_backend(dtype: torch.dtype, dim: int) -> None
     q = torch.randn(tokens, HEADS, dim, generator=gen).to(dtype)
     k = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(dtype)
     v = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(dtype)
-    base = torch.randn(2, BLOCKS, BS, KV_HEADS, dim, generator=gen).to(dtype)  # context already cached
+    base = _cache(torch.randn(2, BLOCKS, BS, KV_HEADS, dim, generator=gen), cache_dtype)  # context already cached
     outs, caches = [], []
     for backend in (TorchAttention(), CpuPagedAttention()):
         cache = base.clone()
         attention = StepAttention(backend, [(cache[0], cache[1])]).bind(meta)
         outs.append(attention(q, k, v, 0))
         caches.append(cache)
-    assert torch.equal(caches[0], caches[1])  # the same slots written with the same K/V
+    assert torch.equal(caches[0], caches[1])  # the same slots written with the same K/V (same int8 rows)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
 
@@ -78,9 +94,10 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ta
     seq = torch.tensor(lens)
     slots = torch.stack([tables[r, (n - 1) // bs] * bs + (n - 1) % bs for r, n in enumerate(lens)])
     flat_k, flat_v = k_cache.view(-1, kvh, k_cache.shape[3]), v_cache.view(-1, kvh, v_cache.shape[3])
+    new_k, new_v = cache_values(flat_k[slots], torch.float32), cache_values(flat_v[slots], torch.float32)
     ops.set_kv_cache([k_cache], [v_cache])
     ops.bind_step(slots, torch.arange(len(lens) + 1), seq, tables, SMALL_QUERY)
-    return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
+    return ops.paged_attention(q, new_k, new_v, 0)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [
@@ -89,7 +106,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ta
     (4, 4, 128, 8),   # no grouping, head size 128, blocks narrower than a vector
     (6, 2, 64, 3),    # a block size that does not divide the span: the plain-loop path
 ])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_decode_kernel_matches_float64_over_spans(heads: int, kv_heads: int, dim: int, bs: int,
                                                   cache_dtype: torch.dtype) -> None:
     """Decodes at contexts around the 256-key spans the kernel cuts a context into (one key,
@@ -100,14 +117,14 @@ def test_decode_kernel_matches_float64_over_spans(heads: int, kv_heads: int, dim
     width = -(-max(lens) // bs)
     blocks = len(lens) * width
     tables = torch.randperm(blocks, generator=gen).view(len(lens), width)
-    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    k_cache = _cache(torch.randn(blocks, bs, kv_heads, dim, generator=gen), cache_dtype)
+    v_cache = _cache(torch.randn(blocks, bs, kv_heads, dim, generator=gen), cache_dtype)
     q = torch.randn(len(lens), heads, dim, generator=gen)
     out = _decode_op(q, k_cache, v_cache, tables, lens)
     group = heads // kv_heads
     for r, n in enumerate(lens):
-        keys = k_cache[tables[r]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
-        values = v_cache[tables[r]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        keys = _values(k_cache[tables[r]].flatten(0, 1)[:n]).repeat_interleave(group, dim=1)  # [n, heads, dim]
+        values = _values(v_cache[tables[r]].flatten(0, 1)[:n]).repeat_interleave(group, dim=1)
         weights = (torch.einsum("hd,nhd->hn", q[r].double(), keys) / dim**0.5).softmax(-1)
         want = torch.einsum("hn,nhd->hd", weights, values)
         torch.testing.assert_close(out[r].double(), want, atol=2e-6, rtol=2e-6)
@@ -119,15 +136,16 @@ def _chunk_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     new ones); the chunks' K/V are the cache's values at their slots, so nothing changes.
     `bf16`: the chunk kernel's products in bfloat16."""
     ops = torch.ops.stepserve_cpu
-    bs, kvh, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    bs, kvh, row = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     slots = torch.tensor([int(tables[r, p // bs]) * bs + p % bs
                           for r, (c, n) in enumerate(zip(context, chunks, strict=True)) for p in range(c, c + n)])
     starts = torch.tensor([0, *np.cumsum(chunks)])
     lens = torch.tensor([c + n for c, n in zip(context, chunks, strict=True)])
-    flat_k, flat_v = k_cache.view(-1, kvh, dim), v_cache.view(-1, kvh, dim)
+    flat_k, flat_v = k_cache.view(-1, kvh, row), v_cache.view(-1, kvh, row)
+    new_k, new_v = cache_values(flat_k[slots], torch.float32), cache_values(flat_v[slots], torch.float32)
     ops.set_kv_cache([k_cache], [v_cache])
     ops.bind_step(slots, starts, lens, tables, SMALL_QUERY, bf16)
-    return ops.paged_attention(q, flat_k[slots].float(), flat_v[slots].float(), 0)
+    return ops.paged_attention(q, new_k, new_v, 0)
 
 
 def _chunk_case(seed: int, context: list[int], chunks: list[int], heads: int, kv_heads: int, dim: int, bs: int,
@@ -136,8 +154,8 @@ def _chunk_case(seed: int, context: list[int], chunks: list[int], heads: int, kv
     gen = torch.Generator().manual_seed(seed)
     width = -(-max(c + n for c, n in zip(context, chunks, strict=True)) // bs)
     tables = torch.randperm(len(chunks) * width, generator=gen).view(len(chunks), width)
-    k_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen).to(cache_dtype)
+    k_cache = _cache(torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen), cache_dtype)
+    v_cache = _cache(torch.randn(len(chunks) * width, bs, kv_heads, dim, generator=gen), cache_dtype)
     q = torch.randn(sum(chunks), heads, dim, generator=gen)
     return tables, k_cache, v_cache, q
 
@@ -156,8 +174,8 @@ def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       context: int, n: int) -> torch.Tensor:
     """float64 attention of one chunk's queries [n, heads, dim] over its request's cache."""
     group = q.shape[1] // k_cache.shape[2]
-    keys = k_cache[table].flatten(0, 1)[: context + n].double().repeat_interleave(group, dim=1)
-    values = v_cache[table].flatten(0, 1)[: context + n].double().repeat_interleave(group, dim=1)
+    keys = _values(k_cache[table].flatten(0, 1)[: context + n]).repeat_interleave(group, dim=1)
+    values = _values(v_cache[table].flatten(0, 1)[: context + n]).repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,nhd->htn", q.double(), keys) / q.shape[2] ** 0.5
     future = torch.arange(context + n)[None, :] > (context + torch.arange(n))[:, None]
     return torch.einsum("htn,nhd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
@@ -169,7 +187,7 @@ def _causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (4, 4, 128, 8),   # no grouping, head size 128
     (8, 2, 128, 3),   # a block size that divides neither a key tile nor a vector
 ])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: int, cache_dtype: torch.dtype) -> None:
     """Long chunks (more than SMALL_QUERY tokens) in one step, with and without cached context,
     of lengths around the kernel's 32-token items and 32-key tiles, against float64 causal
@@ -188,7 +206,7 @@ def test_chunk_kernel_matches_float64(heads: int, kv_heads: int, dim: int, bs: i
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), [(9, 3, 64, 16), (8, 2, 128, 3)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_bf16_chunk_products_match_float64_to_bfloat16_precision(heads: int, kv_heads: int, dim: int, bs: int,
                                                                  cache_dtype: torch.dtype) -> None:
     """The chunk kernel with its two products as AVX512-BF16 dot products (queries, keys,
@@ -239,3 +257,40 @@ def test_two_backends_in_one_process_each_use_their_own_cache() -> None:
     second = attentions[1].bind(meta)(q, k, v, 0)
     assert caches[1].abs().sum() > 0
     torch.testing.assert_close(second, first, atol=2e-3, rtol=2e-3)
+
+
+def test_int8_rows_hold_each_row_within_half_a_step_of_its_scale() -> None:
+    """An int8 row: its values within scale / 2 of the input, the largest magnitude exact
+    (+-127 steps), a row of zeros all zeros with scale 0, and its scale in the last 4 bytes."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 3, 64, generator=gen) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    x[4, 1] = 0.0
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 3, 64 + SCALE_BYTES)
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.equal(rows[..., 64:].contiguous().view(torch.float32), scale)
+    back = dequantize_rows(rows)
+    assert ((back - x).abs() <= scale / 2 * (1 + 1e-6)).all()
+    assert (rows[..., :64].abs().amax(-1)[scale.squeeze(-1) > 0] == 127).all()
+    assert torch.equal(back[4, 1], torch.zeros(64))
+
+
+def test_int8_cache_write_in_cpp_matches_the_torch_rows_bitwise() -> None:
+    """The op's write of float32 and bfloat16 K/V into an int8 cache (several threads' worth of
+    tokens) is `quantize_rows` of the same values, bit for bit, halves rounded to even."""
+    ops = torch.ops.stepserve_cpu
+    gen = torch.Generator().manual_seed(9)
+    tokens, kvh, dim, bs = 600, 3, 64, 16
+    blocks = -(-tokens // bs)
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(tokens, kvh, dim, generator=gen).to(dtype)
+        v = (torch.randint(-254, 255, (tokens, kvh, dim), generator=gen) / 2).to(dtype)  # exact halves
+        k_cache = torch.zeros(blocks, bs, kvh, dim + SCALE_BYTES, dtype=torch.int8)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+        ops.set_kv_cache([k_cache], [v_cache])
+        ops.bind_step(slots, torch.tensor([0, tokens]), torch.tensor([tokens]),
+                      torch.arange(blocks).view(1, -1), SMALL_QUERY)
+        ops.paged_attention(torch.randn(tokens, 9, dim, generator=gen).to(dtype), k, v, 0)
+        assert torch.equal(k_cache.view(-1, kvh, dim + SCALE_BYTES)[slots], quantize_rows(k))
+        assert torch.equal(v_cache.view(-1, kvh, dim + SCALE_BYTES)[slots], quantize_rows(v))

@@ -30,21 +30,28 @@ def test_auto(dtype: torch.dtype, device: torch.device, quantization: str, backe
 def test_explicit_choices() -> None:
     assert resolve_kv_dtype("float32", torch.float32, CPU, "gguf", "cpu") == torch.float32
     assert resolve_kv_dtype("bfloat16", torch.float32, CPU, "none", "torch") == torch.bfloat16
-    with pytest.raises(ValueError, match="model's dtype"):
-        resolve_kv_dtype("float16", torch.bfloat16, CUDA, "none", "flash_attn")
+    assert resolve_kv_dtype("int8", torch.float32, CPU, "gguf", "cpu") == torch.int8
+    assert resolve_kv_dtype("int8", torch.bfloat16, CPU, "none", "torch") == torch.int8
+    for name in ("float16", "int8"):
+        with pytest.raises(ValueError, match="model's dtype"):
+            resolve_kv_dtype(name, torch.bfloat16, CUDA, "none", "flash_attn")
 
 
 def test_flag_reaches_the_worker_config_and_bad_values_are_refused() -> None:
     assert worker_config(build_parser().parse_args([])).kv_cache_dtype == "auto"
     assert worker_config(build_parser().parse_args(["--kv-cache-dtype", "float32"])).kv_cache_dtype == "float32"
+    assert worker_config(build_parser().parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         WorkerConfig(kv_cache_dtype="fp8")
 
 
-@pytest.mark.parametrize(("kv", "elem"), [("auto", 2), ("float32", 4)])
-def test_runner_sizes_its_cache_by_the_element_type(kv: str, elem: int) -> None:
+@pytest.mark.parametrize(("kv", "name", "row_bytes"), [
+    ("auto", "float16", 64 * 2), ("float32", "float32", 64 * 4), ("int8", "int8", 64 + 4),
+])
+def test_runner_sizes_its_cache_by_the_element_type(kv: str, name: str, row_bytes: int) -> None:
     """The default GGUF model on the C++ attention: float16 by default (twice the blocks in the
-    same memory), float32 when asked; the runner reports it."""
+    same memory), float32 when asked, int8 rows (64 values and a 4-byte scale) when asked; the
+    runner reports it."""
     from worker.execution.model_runner import ModelRunner
     from worker.kernels.build import available
 
@@ -53,9 +60,9 @@ def test_runner_sizes_its_cache_by_the_element_type(kv: str, elem: int) -> None:
     runner: Any = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=32 << 20, max_model_len=256, num_threads=2,
                                            enforce_eager=True, kv_cache_dtype=kv))
     info = runner.info
-    assert info.kv_cache_dtype == ("float16" if elem == 2 else "float32")
-    assert info.kv_bytes_per_token == 2 * 30 * 3 * 64 * elem
-    assert runner.kv_cache.device_cache.dtype == (torch.float16 if elem == 2 else torch.float32)
+    assert info.kv_cache_dtype == name
+    assert info.kv_bytes_per_token == 2 * 30 * 3 * row_bytes
+    assert runner.kv_cache.device_cache.dtype == getattr(torch, name)
     assert info.num_gpu_blocks == (32 << 20) // (info.kv_bytes_per_token * 16)
 
 
@@ -76,3 +83,41 @@ def test_a_kv_cache_size_this_machine_cannot_hold_is_refused_by_name(
     with pytest.raises(WorkerConfigError, match=says) as refused:
         ModelRunner(WorkerConfig(model=str(tmp_path / "llama"), kv_cache_memory=memory, **REFERENCE))
     assert refused.value.field == "kv_cache_memory"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_an_int8_cache_keeps_the_default_model_on_its_predictions(backend: str, smol_runner: Any,
+                                                                  smol_tokenizer: Any) -> None:
+    """The default model with an int8 cache, on the C++ attention and on the portable one:
+    teacher-forced top-1 agreement with the reference mode over a text read half as one chunk,
+    half a token a step (the whole gate, ~2,800 positions, measured 98.4 %; bench/RESULTS.md),
+    and the cache it wrote is int8 rows."""
+    from worker_modes import chunk_logits
+
+    from worker.execution.model_runner import ModelRunner
+    from worker.kernels.build import available
+
+    if not available()[0]:
+        pytest.skip(f"cpu kernels unavailable: {available()[1]}")
+    runner: Any = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory=32 << 20, max_model_len=512, num_threads=2,
+                                           enforce_eager=True, kv_cache_dtype="int8", attention_backend=backend))
+    tokens = smol_tokenizer.encode(
+        "Continuous batching re-plans the batch at every step: requests join as soon as there is room in the KV "
+        "cache and leave when they finish, so a short request never waits for a long one. The scheduler decides "
+        "which requests run, how many prompt tokens each may prefill, and which to preempt when memory runs out."
+    )
+    half, last = len(tokens) // 2, len(tokens) - 1
+    preds = []
+    for r in (smol_runner, runner):
+        try:
+            got = chunk_logits(r, tokens, 0, half).argmax(-1).tolist()
+            for pos in range(half, last):
+                got += chunk_logits(r, tokens, pos, 1).argmax(-1).tolist()
+        finally:
+            r.batch.remove("tf")
+        preds.append(got)
+    agree = sum(a == b for a, b in zip(*preds, strict=True)) / len(preds[0])
+    assert agree >= 0.95, agree
+    written = runner.kv_cache.device_cache[0, 0, : -(-last // 16)]
+    assert written.dtype == torch.int8 and written.shape[-1] == 64 + 4
+    assert written[..., :64].abs().amax() == 127  # each row's largest value is +-127 steps of its scale

@@ -21,9 +21,11 @@ from typing import Protocol
 
 import torch
 
+from worker.attention.kv_rows import quantize_rows
+
 KVCacheLayer = tuple[
     torch.Tensor, torch.Tensor
-]  # K, V: [num_blocks, block_size, kv_heads, head_dim]
+]  # K, V: [num_blocks, block_size, kv_heads, row] (row: head_dim values; kv_rows for int8)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, slots: torch.Tensor) -> None:
-    """Scatter the new tokens' K/V [T, kv_heads, D] into their cache slots."""
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    """Scatter the new tokens' K/V [T, kv_heads, D] into their cache slots (quantized into an
+    int8 cache's rows)."""
+    for new, cache in zip((k, v), kv_cache, strict=True):
+        rows = quantize_rows(new) if cache.dtype == torch.int8 else new.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.attention.kv_rows import cache_values
 from worker.attention.metadata import AttentionMetadata, KVCacheLayer, PrefillSpan, write_kv
 
 
@@ -118,7 +119,8 @@ class TorchAttention(PythonBackend):
         kv_heads = keys.shape[1]
         grouped = q.view(n, kv_heads, q.shape[1] // kv_heads, q.shape[2])
         out = F.scaled_dot_product_attention(
-            grouped, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_key_mask
+            grouped, cache_values(keys, q.dtype), cache_values(values, q.dtype),
+            attn_mask=meta.decode_key_mask,
         )
         return out.reshape(q.shape)
 
@@ -132,7 +134,9 @@ class TorchAttention(PythonBackend):
     ) -> torch.Tensor:
         n = span.token_end - span.token_start
         query = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
-        if span.seq_len == n:  # nothing cached before this chunk: use the fresh K/V directly
+        # nothing cached before this chunk: the fresh K/V directly, unless the cache rounds
+        # them to int8 (then every chunk reads the cache, as the C++ chunk kernel does)
+        if span.seq_len == n and kv_cache[0].dtype != torch.int8:
             keys, values = (
                 k[span.token_start : span.token_end],
                 v[span.token_start : span.token_end],
@@ -146,8 +150,8 @@ class TorchAttention(PythonBackend):
             mask, causal = key_pos <= (key_pos[-n:, None]), False
         out = F.scaled_dot_product_attention(
             query,
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            cache_values(keys, q.dtype).transpose(0, 1).unsqueeze(0),
+            cache_values(values, q.dtype).transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
             enable_gqa=True,

@@ -1,6 +1,7 @@
 """The paged KV cache on the device, its host swap pool, and how many blocks fit.
 
-One tensor holds every layer: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim],
+One tensor holds every layer: [layers, 2 (K, V), num_blocks, block_size, kv_heads, row] (a
+row: head_dim values, or for int8 head_dim values and their scale, `kv_rows`),
 so a swap moves a block of all layers with one indexed copy, and `layers()` hands the model
 per-layer (K, V) views in the layout paged kernels expect.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.attention.kv_rows import row_width
 from worker.execution.input_batch import PlanError
 from worker.model.config import ModelConfig
 
@@ -23,7 +25,7 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
         * config.num_hidden_layers
         * block_size
         * config.num_key_value_heads
-        * config.head_dim
+        * row_width(config.head_dim, dtype)
         * elem
     )
 
@@ -43,7 +45,7 @@ class KVCache:
         self.block_bytes = bytes_per_block(config, block_size, dtype)
         shape = (
             config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads,
-            config.head_dim,
+            row_width(config.head_dim, dtype),
         )
         # zeros, not empty: padded attention reads masked slots, and NaN garbage would leak through
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -64,7 +66,7 @@ class KVCache:
         return 0 if self.host_cache is None else int(self.host_cache.shape[2])
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (K, V) views, each [num_blocks, block_size, kv_heads, head_dim]."""
+        """Per-layer (K, V) views, each [num_blocks, block_size, kv_heads, row]."""
         return [(layer[0], layer[1]) for layer in self.device_cache]
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:

@@ -73,8 +73,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def resolve_kv_dtype(
     name: str, dtype: torch.dtype, device: torch.device, quantization: str, backend: str
 ) -> torch.dtype:
-    """The KV cache's element type. auto: float16 where the C++ CPU attention reads the cache
-    for the GGUF kernel's float32 activations (a decode at long contexts reads its cache more
+    """The KV cache's element type (int8: the rows of `worker.attention.kv_rows`). auto:
+    float16 where the C++ CPU attention reads the cache for the GGUF kernel's float32
+    activations (a decode at long contexts reads its cache more
     than its weights: half the bytes measured ~0.66x the attention time, and float16 keeps 11
     bits, within the fast mode's accuracy gate); else the model's dtype, so the reference mode
     (float32, no quantization) stays exactly float32. On CUDA only the model's dtype."""
@@ -86,7 +87,7 @@ def resolve_kv_dtype(
             and dtype == torch.float32
         )
         return torch.float16 if fast_cpu else dtype
-    wanted = DTYPES[name]
+    wanted = torch.int8 if name == "int8" else DTYPES[name]
     if device.type != "cpu" and wanted != dtype:
         raise ValueError(
             f"kv_cache_dtype={name}: on {device.type} the KV cache takes "

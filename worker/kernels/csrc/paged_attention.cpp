@@ -16,8 +16,10 @@
 // The cache tensors and the step's metadata live in this file's registry (set_kv_cache,
 // bind_step), not in the op's arguments: a compiled forward then sees an op without
 // mutated inputs (nothing for the compiler to functionalize or guard) and changing
-// metadata never recompiles it. Caches: [num_blocks, block_size, kv_heads, head_dim],
-// float32, bfloat16 or float16, contiguous.
+// metadata never recompiles it. Caches: [num_blocks, block_size, kv_heads, row], contiguous:
+// float32, bfloat16 or float16 rows of head_dim values, or int8 rows of head_dim values and
+// then their float32 scale in 4 bytes (value = int8 * scale, scale = max |x| / 127 per token
+// and kv head; worker/attention/kv_rows.py is the same format in torch).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -53,7 +55,25 @@ StepState g_state;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
 
-// One K or V row of D values as D / kW float vectors, converted on the fly.
+// An int8 cache row's scale follows its D values; other element types have none.
+template <typename C>
+constexpr int64_t kScaleBytes = std::is_same_v<C, int8_t> ? 4 : 0;
+template <typename C, int64_t D>
+constexpr int64_t kRow = D + kScaleBytes<C>;  // a cache row's elements
+
+template <typename C>
+inline float row_scale(const C* row, int64_t d) {
+  if constexpr (kScaleBytes<C> != 0) {
+    float s;
+    std::memcpy(&s, row + d, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+// One K or V row of D values as D / kW float vectors, converted on the fly (an int8 row's
+// values unscaled: the callers fold its scale into a score or a weight).
 template <int64_t D>
 inline void load_row(const float* src, Vec* out) {
   for (int64_t j = 0; j < D / kW; ++j) out[j] = Vec::loadu(src + j * kW);
@@ -75,6 +95,29 @@ inline void load_row(const at::BFloat16* src, Vec* out) {
 template <int64_t D>
 inline void load_row(const at::Half* src, Vec* out) {
   load_half_row<D>(src, out);
+}
+template <int64_t D>
+inline void load_row(const int8_t* src, Vec* out) {
+  for (int64_t j = 0; j < D / kW; ++j) {
+#if defined(CPU_CAPABILITY_AVX512)
+    out[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * kW))));
+#elif defined(CPU_CAPABILITY_AVX2)
+    out[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j * kW))));
+#else
+    float buf[kW];
+    for (int64_t i = 0; i < kW; ++i) buf[i] = static_cast<float>(src[j * kW + i]);
+    out[j] = Vec::loadu(buf);
+#endif
+  }
+}
+// The row's values themselves (an int8 row's times its scale).
+template <typename C, int64_t D>
+inline void load_scaled_row(const C* src, Vec* out) {
+  load_row<D>(src, out);
+  if constexpr (kScaleBytes<C> != 0) {
+    const Vec s(row_scale(src, D));
+    for (int64_t j = 0; j < D / kW; ++j) out[j] = out[j] * s;
+  }
 }
 
 inline float reduce(const Vec& v) {
@@ -158,9 +201,15 @@ inline void score_block(const float* qs, const C* k, int64_t stride, int64_t n, 
   int64_t p0 = 0;
   for (; p0 + kW <= n; p0 += kW) {
     for (int64_t p = 0; p < kW; ++p) acc[p] = dot(p0 + p);
-    sum_rows(acc).store(sc + p0);
+    if constexpr (kScaleBytes<C> != 0) {
+      float scales[kW];
+      for (int64_t p = 0; p < kW; ++p) scales[p] = row_scale(k + (p0 + p) * stride, D);
+      (sum_rows(acc) * Vec::loadu(scales)).store(sc + p0);
+    } else {
+      sum_rows(acc).store(sc + p0);
+    }
   }
-  for (; p0 < n; ++p0) sc[p0] = reduce(dot(p0));
+  for (; p0 < n; ++p0) sc[p0] = reduce(dot(p0)) * row_scale(k + p0 * stride, D);
 }
 
 // acc[g] += sum over the n rows at `v` of w[g][p] * row p, for G heads at once.
@@ -172,8 +221,9 @@ inline void weigh_rows(const float* w, int64_t ld, const C* v, int64_t stride, i
     for (int64_t j = 0; j < V; ++j) a[g][j] = Vec::loadu(acc + g * D + j * kW);
   for (int64_t p = 0; p < n; ++p) {
     load_row<D>(v + p * stride, row);
+    const float scale = row_scale(v + p * stride, D);
     for (int64_t g = 0; g < G; ++g) {
-      const Vec wg(w[g * ld + p]);
+      const Vec wg(w[g * ld + p] * scale);
       for (int64_t j = 0; j < V; ++j) a[g][j] = at::vec::fmadd(wg, row[j], a[g][j]);
     }
   }
@@ -224,7 +274,7 @@ template <typename C, int64_t D>
 void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int64_t* table, int64_t p0, int64_t p1,
                  int64_t heads, int64_t kv_heads, int64_t h0, int64_t h1, int64_t bs, Partial part, Scratch& s) {
   const int64_t group = heads / kv_heads, n = p1 - p0;
-  const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
+  const int64_t token_stride = kv_heads * kRow<C, D>, block_stride = bs * token_stride;
   const bool whole = h0 == 0 && h1 == kv_heads;  // else another item reads the other heads' rows
   s.scores.resize(heads * n);
   float* sc = s.scores.data();
@@ -233,7 +283,7 @@ void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int6
     const int64_t rows = std::min(bs, p1 - b0);
     if (whole) touch_block(block, rows * token_stride);
     for (int64_t i = h0 * group; i < h1 * group; ++i)
-      score_block<C, D>(qs + i * D, block + (i / group) * D, token_stride, rows, sc + i * n + (b0 - p0));
+      score_block<C, D>(qs + i * D, block + (i / group) * kRow<C, D>, token_stride, rows, sc + i * n + (b0 - p0));
   }
   for (int64_t i = h0 * group; i < h1 * group; ++i) {
     float* si = sc + i * n;
@@ -266,7 +316,7 @@ void attend_span(const float* qs, const C* k_cache, const C* v_cache, const int6
     for (int64_t h = h0; h < h1; ++h)
       by_passes<D>(group, [&](auto G, int64_t g0) {
         const int64_t first = h * group + g0;
-        weigh_rows<C, D, G()>(sc + first * n + (b0 - p0), n, block + h * D, token_stride, rows, part.acc + first * D);
+        weigh_rows<C, D, G()>(sc + first * n + (b0 - p0), n, block + h * kRow<C, D>, token_stride, rows, part.acc + first * D);
       });
   }
 }
@@ -279,22 +329,27 @@ void attend_token_any(const Q* q, Q* out, const C* k_cache, const C* v_cache, co
                       std::vector<float>& scores) {
   scores.resize(L);
   float* sc = scores.data();
-  const int64_t token_stride = kv_heads * d, block_stride = bs * token_stride;
+  const int64_t row = d + kScaleBytes<C>, token_stride = kv_heads * row, block_stride = bs * token_stride;
+  auto at_pos = [&](const C* cache, int64_t pos) {
+    return cache + table[pos / bs] * block_stride + (pos % bs) * token_stride + h * row;
+  };
   for (int64_t g = 0; g < group; ++g) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t pos = 0; pos < L; ++pos) {
-      const C* kp = k_cache + table[pos / bs] * block_stride + (pos % bs) * token_stride + h * d;
+      const C* kp = at_pos(k_cache, pos);
       float dot = 0.f;
       for (int64_t i = 0; i < d; ++i) dot += static_cast<float>(q[g * d + i]) * static_cast<float>(kp[i]);
-      sc[pos] = dot * scale;
+      sc[pos] = dot * row_scale(kp, d) * scale;
       m = std::max(m, sc[pos]);
     }
     float sum = 0.f;
     for (int64_t p = 0; p < L; ++p) sum += (sc[p] = std::exp(sc[p] - m));
     for (int64_t i = 0; i < d; ++i) {
       float acc = 0.f;
-      for (int64_t pos = 0; pos < L; ++pos)
-        acc += sc[pos] * static_cast<float>(v_cache[table[pos / bs] * block_stride + (pos % bs) * token_stride + h * d + i]);
+      for (int64_t pos = 0; pos < L; ++pos) {
+        const C* vp = at_pos(v_cache, pos);
+        acc += sc[pos] * row_scale(vp, d) * static_cast<float>(vp[i]);
+      }
       out[g * d + i] = static_cast<Q>(acc / sum);
     }
   }
@@ -432,7 +487,7 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   static_assert(T % RB == 0 && kKeyTile % kPass == 0 && D % kPass == 0, "tiles must divide evenly");
   static_assert(!Bf16 || (kChunkBf16 && kKeyTile % 2 == 0), "bfloat16 products need AVX512-BF16");
   const int64_t R = group * T, last = pos0 + nt - 1;  // row token i sits at position pos0 + i
-  const int64_t token_stride = kv_heads * D, block_stride = bs * token_stride;
+  const int64_t token_stride = kv_heads * kRow<C, D>, block_stride = bs * token_stride;
   s.acc.assign(D * R, 0.f);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.f);
@@ -467,10 +522,10 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, last + 1 - k0);
     for (int64_t j = 0; j < kn; ++j) {
-      const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * D;
-      load_row<D>(k_cache + off, rows);
+      const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
+      load_scaled_row<C, D>(k_cache + off, rows);
       for (int64_t x = 0; x < D / kW; ++x) rows[x].store(kt + j * D + x * kW);
-      load_row<D>(v_cache + off, rows);
+      load_scaled_row<C, D>(v_cache + off, rows);
       for (int64_t x = 0; x < D / kW; ++x) rows[x].store(vt + j * D + x * kW);
     }
     std::fill(kt + kn * D, kt + kKeyTile * D, 0.f);  // masked below; zeros keep 0 * value finite
@@ -671,6 +726,13 @@ void attend_short(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
   });
 }
 
+// Cache rows [..., row] as values [..., d] of type t (an int8 row's times its scale).
+at::Tensor cache_values(const at::Tensor& rows, int64_t d, at::ScalarType t) {
+  if (rows.scalar_type() != at::kChar) return rows.to(t);
+  const auto scale = rows.narrow(-1, d, 4).contiguous().view(at::kFloat);  // [..., 1]
+  return (rows.narrow(-1, 0, d).to(at::kFloat) * scale).to(t);
+}
+
 // A long chunk [start, end) of request r through SDPA.
 at::Tensor attend_long(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                        const at::Tensor& vc, int64_t r, int64_t start, int64_t end, int64_t seq_len) {
@@ -679,7 +741,7 @@ at::Tensor attend_long(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor keys, values;
   c10::optional<at::Tensor> mask;
   bool causal = true;
-  if (seq_len == n) {  // nothing cached before this chunk: the fresh K/V
+  if (seq_len == n && kc.scalar_type() != at::kChar) {  // nothing cached before: the fresh K/V (an int8 cache's rows are read, as attend_chunks does)
     keys = k.slice(0, start, end);
     values = v.slice(0, start, end);
   } else {
@@ -692,33 +754,61 @@ at::Tensor attend_long(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     mask = key_pos.unsqueeze(0) <= key_pos.slice(0, seq_len - n, seq_len).unsqueeze(1);
     causal = false;
   }
-  auto o = at::scaled_dot_product_attention(query, keys.to(q.scalar_type()).transpose(0, 1).unsqueeze(0),
-                                            values.to(q.scalar_type()).transpose(0, 1).unsqueeze(0), mask, 0.0,
+  const int64_t d = q.size(2);
+  auto o = at::scaled_dot_product_attention(query, cache_values(keys, d, q.scalar_type()).transpose(0, 1).unsqueeze(0),
+                                            cache_values(values, d, q.scalar_type()).transpose(0, 1).unsqueeze(0), mask, 0.0,
                                             causal, c10::nullopt, /*enable_gqa=*/true);
   return o.squeeze(0).transpose(0, 1);
 }
 
-// f(C{}) with C the cache's element type: float, at::BFloat16 or at::Half.
+// f(C{}) with C the cache's element type: float, at::BFloat16, at::Half or int8_t.
 template <typename F>
 void with_cache_type(const at::Tensor& cache, F&& f) {
   switch (cache.scalar_type()) {
     case at::kFloat: return f(float{});
     case at::kBFloat16: return f(at::BFloat16{});
     case at::kHalf: return f(at::Half{});
-    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+    case at::kChar: return f(int8_t{});
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, float16 or int8, got ", cache.scalar_type());
   }
 }
 
-// Rows [T, width] of `src` (row stride `stride`: k and v are views into the fused qkv
-// product) into the cache rows `slots`, converted to the cache's type on the way.
+// Rows [T, kv_heads * d] of `src` (row stride `stride`: k and v are views into the fused qkv
+// product) into the cache rows `slots`, converted to the cache's type on the way; into an
+// int8 cache each (token, kv head)'s d values quantized with their own scale, max |x| / 127,
+// rounded to nearest even (as kv_rows.quantize_rows does).
 template <typename S, typename C>
-void copy_rows(const S* src, int64_t stride, C* dst, const int64_t* slots, int64_t T, int64_t width) {
+void copy_rows(const S* src, int64_t stride, C* dst, const int64_t* slots, int64_t T, int64_t kv_heads, int64_t d) {
+  const int64_t width = kv_heads * d;
   auto rows = [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d);
     for (int64_t t = begin; t < end; ++t) {
-      if constexpr (std::is_same_v<S, C>)
+      if constexpr (kScaleBytes<C> != 0) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          at::vec::convert(src + t * stride + h * d, x.data(), d);
+          int8_t* out = dst + (slots[t] * kv_heads + h) * (d + kScaleBytes<C>);
+          float amax = 0.f;
+          int64_t i = 0;
+          Vec vmax(0.f);
+          for (; i + kW <= d; i += kW) vmax = at::vec::maximum(vmax, Vec::loadu(x.data() + i).abs());
+          amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+          for (; i < d; ++i) amax = std::max(amax, std::abs(x[i]));
+          const float scale = amax / 127.f;
+          if (scale > 0.f) {
+            const Vec s(scale);
+            for (i = 0; i + kW <= d; i += kW) (Vec::loadu(x.data() + i) / s).round().store(x.data() + i);
+            for (; i < d; ++i) x[i] = std::nearbyint(x[i] / scale);
+          } else {
+            std::fill(x.begin(), x.end(), 0.f);
+          }
+          for (i = 0; i < d; ++i) out[i] = static_cast<int8_t>(x[i]);
+          std::memcpy(out + d, &scale, sizeof scale);
+        }
+      } else if constexpr (std::is_same_v<S, C>) {
         std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(C));
-      else
+      } else {
         at::vec::convert(src + t * stride, dst + slots[t] * width, width);
+      }
     }
   };
   at::parallel_for(0, T, 256, rows);  // a decode batch's few rows on the calling thread
@@ -729,7 +819,7 @@ void copy_rows(const S* src, int64_t stride, C* dst, const int64_t* slots, int64
 // for one decode token, more than that token's attention.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc) {
   const auto& slots = g_state.slot_mapping;
-  const int64_t T = k.size(0), width = kc.size(2) * kc.size(3), capacity = kc.size(0) * kc.size(1);
+  const int64_t T = k.size(0), kv_heads = kc.size(2), capacity = kc.size(0) * kc.size(1);
   TORCH_CHECK(slots.size(0) == T && v.size(0) == T, "slot_mapping has ", slots.size(0), " slots for ", T, " tokens");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -738,16 +828,18 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tens
     // rows of kv_heads * D contiguous values, at any row stride
     const bool rows_dense = src->dim() == 3 && src->stride(2) == 1 && src->stride(1) == src->size(2);
     const at::Tensor rows = rows_dense ? *src : src->contiguous();
-    TORCH_CHECK(rows.size(1) * rows.size(2) == width, "K/V rows do not match the cache's kv_heads * head_dim");
+    const int64_t d = rows.size(2);
     with_cache_type(*cache, [&](auto cache_type) {
       using C = decltype(cache_type);
+      TORCH_CHECK(rows.size(1) == kv_heads && cache->size(3) == d + kScaleBytes<C>,
+                  "K/V rows do not match the cache's kv_heads and row size");
       C* dst = cache->data_ptr<C>();
       if (rows.scalar_type() == at::kFloat)
-        copy_rows(rows.data_ptr<float>(), rows.stride(0), dst, sp, T, width);
+        copy_rows(rows.data_ptr<float>(), rows.stride(0), dst, sp, T, kv_heads, d);
       else if (rows.scalar_type() == at::kBFloat16)
-        copy_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), dst, sp, T, width);
+        copy_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), dst, sp, T, kv_heads, d);
       else if (rows.scalar_type() == at::kHalf)
-        copy_rows(rows.data_ptr<at::Half>(), rows.stride(0), dst, sp, T, width);
+        copy_rows(rows.data_ptr<at::Half>(), rows.stride(0), dst, sp, T, kv_heads, d);
       else
         TORCH_CHECK(false, "K/V must be float32, bfloat16 or float16, got ", rows.scalar_type());
     });
