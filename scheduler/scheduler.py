@@ -205,8 +205,11 @@ class Scheduler:
         if not step.preempted:
             self._schedule_swapped(step, now)
             self._schedule_waiting(step, now)
-        if later:  # after admissions: they must not evict a request admitted in this step
-            self._schedule_deferred(step, later, preempt=False)
+        if later:
+            # after admissions: they must not evict a request admitted in this step; when
+            # none was, they preempt as any running prefill does (else two running prompts
+            # that between them hold every block would wait on each other for ever)
+            self._schedule_deferred(step, later, preempt=not step.admitted)
         plan = step.build(self.kv.blocks, self._finished_ids, self._aborted_ids)
         self.last_preemptions = tuple(step.preemptions)
         self.kv.end_step()

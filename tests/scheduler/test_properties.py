@@ -107,7 +107,29 @@ def _check_plan(cfg: SchedulerConfig, plan: SchedulerOutput) -> None:
 @settings(max_examples=int(__import__("os").environ.get("STEPSERVE_HYPOTHESIS_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_workloads_keep_invariants_and_finish(scenario: tuple[SchedulerConfig, list[Spec], bool]) -> None:
-    cfg, specs_, overlap = scenario
+    _run(*scenario)
+
+
+def test_two_running_prompts_that_hold_every_block_under_slo_finish() -> None:
+    """A case the property found: under slo, two running prompts (18 and 27 tokens, 7 blocks of
+    4 between them) rank behind the waiting queue's head, which cannot be admitted; neither
+    may preempt the other while an admission could be evicted, and none was: they must."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=4, max_num_seqs=3, max_model_len=28, block_size=4, num_gpu_blocks=7,
+        scheduling_policy="slo", aging_period=1.0, enable_chunked_prefill=True, preemption_mode="recompute",
+        output_len_predictor="learned", sjf_aging_rate=0.5, swap_bandwidth=1e6, max_step_ms=800.0,
+        slo_demotion_s=0.0, step_cost=linear_cost,
+        slo_classes=SLOClasses(SLO(10.0, 1.0), (("user:c", SLO(None, math.inf)),)),
+    )
+    one = Spec(1, 1, 0, 0, None, False, False, "a", None, None)
+    _run(cfg, [one] * 8 + [Spec(6, 1, 4, 0, None, False, False, "a", 1.0, None),
+                           Spec(18, 1, 0, 0, None, False, False, "a", None, None),
+                           Spec(27, 1, 5, 0, None, False, False, "a", 1.0, None)], False)
+
+
+def _run(cfg: SchedulerConfig, specs_: list[Spec], overlap: bool) -> None:
+    """Drive the workload to its end against a mirror worker, checking every plan and the
+    scheduler's integrity each step; every request finishes as its spec says."""
     s = Scheduler(cfg)
     prefix = list(range(7000, 7000 + 70))
     # EOS now and then for requests that do not ignore it
