@@ -32,3 +32,17 @@ def chunk_logits(runner: Any, tokens: list[int], start: int, n: int, forward: An
         hidden = (forward or runner.forward)(to_device(step.input_ids), to_device(step.positions),
                                              runner.attention.bind(batch.attention_metadata(step)))
         return runner.model.compute_logits(hidden).float()
+
+
+def teacher_forced(runner: Any, tokens: list[int], decode_from: int | None) -> list[int]:
+    """Top-1 prediction after each prefix of `tokens`: positions below `decode_from` in one
+    chunk, the rest one token a step (None: all in one chunk)."""
+    last = len(tokens) - 1
+    cut = last if decode_from is None else decode_from
+    try:
+        preds = chunk_logits(runner, tokens, 0, cut).argmax(-1).tolist()
+        for pos in range(cut, last):
+            preds += chunk_logits(runner, tokens, pos, 1).argmax(-1).tolist()
+    finally:
+        runner.batch.remove("tf")
+    return preds

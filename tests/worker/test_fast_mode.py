@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from worker_modes import chunk_logits as _logits
+from worker_modes import teacher_forced
 
 from scheduler.sampling import SamplingParams
 from worker.config import WorkerConfig
@@ -48,28 +49,14 @@ def fast_runner(default_live_server: Any) -> Any:
     return runner
 
 
-def _teacher_forced(runner: Any, tokens: list[int], decode_from: int | None) -> list[int]:
-    """Top-1 prediction after each prefix of `tokens`: positions below `decode_from` in one
-    chunk, the rest one token a step (None: all in one chunk)."""
-    last = len(tokens) - 1
-    cut = last if decode_from is None else decode_from
-    try:
-        preds = _logits(runner, tokens, 0, cut).argmax(-1).tolist()
-        for pos in range(cut, last):
-            preds += _logits(runner, tokens, pos, 1).argmax(-1).tolist()
-    finally:
-        runner.batch.remove("tf")
-    return preds
-
-
 def test_teacher_forced_top1_agreement(fast_runner: Any, smol_runner: Any, smol_tokenizer: Any,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     agree = total = agree_decode = total_decode = 0
     for text in TEXTS.values():
         tokens = smol_tokenizer.encode(text)
         half = len(tokens) // 2
-        ref = _teacher_forced(smol_runner, tokens, None)
-        fast = _teacher_forced(fast_runner, tokens, half)
+        ref = teacher_forced(smol_runner, tokens, None)
+        fast = teacher_forced(fast_runner, tokens, half)
         same = [a == b for a, b in zip(ref, fast, strict=True)]
         agree, total = agree + sum(same), total + len(same)
         agree_decode, total_decode = agree_decode + sum(same[half:]), total_decode + len(same[half:])

@@ -92,7 +92,7 @@ def test_an_int8_cache_keeps_the_default_model_on_its_predictions(backend: str, 
     teacher-forced top-1 agreement with the reference mode over a text read half as one chunk,
     half a token a step (the whole gate, ~2,800 positions, measured 98.4 %; bench/RESULTS.md),
     and the cache it wrote is int8 rows."""
-    from worker_modes import chunk_logits
+    from worker_modes import teacher_forced
 
     from worker.execution.model_runner import ModelRunner
     from worker.kernels.build import available
@@ -106,18 +106,9 @@ def test_an_int8_cache_keeps_the_default_model_on_its_predictions(backend: str, 
         "cache and leave when they finish, so a short request never waits for a long one. The scheduler decides "
         "which requests run, how many prompt tokens each may prefill, and which to preempt when memory runs out."
     )
-    half, last = len(tokens) // 2, len(tokens) - 1
-    preds = []
-    for r in (smol_runner, runner):
-        try:
-            got = chunk_logits(r, tokens, 0, half).argmax(-1).tolist()
-            for pos in range(half, last):
-                got += chunk_logits(r, tokens, pos, 1).argmax(-1).tolist()
-        finally:
-            r.batch.remove("tf")
-        preds.append(got)
-    agree = sum(a == b for a, b in zip(*preds, strict=True)) / len(preds[0])
+    ref, got = (teacher_forced(r, tokens, len(tokens) // 2) for r in (smol_runner, runner))
+    agree = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
     assert agree >= 0.95, agree
-    written = runner.kv_cache.device_cache[0, 0, : -(-last // 16)]
+    written = runner.kv_cache.device_cache[0, 0, : -(-(len(tokens) - 1) // 16)]
     assert written.dtype == torch.int8 and written.shape[-1] == 64 + 4
     assert written[..., :64].abs().amax() == 127  # each row's largest value is +-127 steps of its scale
