@@ -75,10 +75,10 @@ def resolve_kv_dtype(
 ) -> torch.dtype:
     """The KV cache's element type (int8: the rows of `worker.attention.kv_rows`). auto:
     float16 where the C++ CPU attention reads the cache for the GGUF kernel's float32
-    activations (a decode at long contexts reads its cache more
-    than its weights: half the bytes measured ~0.66x the attention time, and float16 keeps 11
-    bits, within the fast mode's accuracy gate); else the model's dtype, so the reference mode
-    (float32, no quantization) stays exactly float32. On CUDA only the model's dtype."""
+    activations (a decode at long contexts reads its cache more than its weights: half the
+    bytes measured ~0.66x the attention time, and float16 keeps 11 bits, within the fast
+    mode's accuracy gate); else the model's dtype, so the reference mode (float32, no
+    quantization) stays exactly float32. On CUDA only the model's dtype."""
     if name == "auto":
         fast_cpu = (
             device.type == "cpu"

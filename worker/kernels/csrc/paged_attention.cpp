@@ -773,37 +773,42 @@ void with_cache_type(const at::Tensor& cache, F&& f) {
   }
 }
 
+// d values of `src` as one int8 cache row at `out`: d int8 values, then their scale,
+// max |x| / 127, in 4 bytes; rounded to nearest even (as kv_rows.quantize_rows does). `x`:
+// d floats of scratch.
+template <typename S>
+void quantize_row(const S* src, int64_t d, int8_t* out, float* x) {
+  at::vec::convert(src, x, d);
+  Vec vmax(0.f);
+  int64_t i = 0;
+  for (; i + kW <= d; i += kW) vmax = at::vec::maximum(vmax, Vec::loadu(x + i).abs());
+  float amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; i < d; ++i) amax = std::max(amax, std::abs(x[i]));
+  const float scale = amax / 127.f;
+  if (scale > 0.f) {
+    const Vec s(scale);
+    for (i = 0; i + kW <= d; i += kW) (Vec::loadu(x + i) / s).round().store(x + i);
+    for (; i < d; ++i) x[i] = std::nearbyint(x[i] / scale);
+  } else {
+    std::fill(x, x + d, 0.f);
+  }
+  for (i = 0; i < d; ++i) out[i] = static_cast<int8_t>(x[i]);
+  std::memcpy(out + d, &scale, sizeof scale);
+}
+
 // Rows [T, kv_heads * d] of `src` (row stride `stride`: k and v are views into the fused qkv
-// product) into the cache rows `slots`, converted to the cache's type on the way; into an
-// int8 cache each (token, kv head)'s d values quantized with their own scale, max |x| / 127,
-// rounded to nearest even (as kv_rows.quantize_rows does).
+// product) into the cache rows `slots`, converted to the cache's type on the way (into an
+// int8 cache, each (token, kv head)'s d values as one quantized row).
 template <typename S, typename C>
 void copy_rows(const S* src, int64_t stride, C* dst, const int64_t* slots, int64_t T, int64_t kv_heads, int64_t d) {
   const int64_t width = kv_heads * d;
   auto rows = [&](int64_t begin, int64_t end) {
-    std::vector<float> x(d);
+    std::vector<float> scratch(kScaleBytes<C> != 0 ? d : 0);  // empty (no allocation) unless int8
     for (int64_t t = begin; t < end; ++t) {
       if constexpr (kScaleBytes<C> != 0) {
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          at::vec::convert(src + t * stride + h * d, x.data(), d);
-          int8_t* out = dst + (slots[t] * kv_heads + h) * (d + kScaleBytes<C>);
-          float amax = 0.f;
-          int64_t i = 0;
-          Vec vmax(0.f);
-          for (; i + kW <= d; i += kW) vmax = at::vec::maximum(vmax, Vec::loadu(x.data() + i).abs());
-          amax = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-          for (; i < d; ++i) amax = std::max(amax, std::abs(x[i]));
-          const float scale = amax / 127.f;
-          if (scale > 0.f) {
-            const Vec s(scale);
-            for (i = 0; i + kW <= d; i += kW) (Vec::loadu(x.data() + i) / s).round().store(x.data() + i);
-            for (; i < d; ++i) x[i] = std::nearbyint(x[i] / scale);
-          } else {
-            std::fill(x.begin(), x.end(), 0.f);
-          }
-          for (i = 0; i < d; ++i) out[i] = static_cast<int8_t>(x[i]);
-          std::memcpy(out + d, &scale, sizeof scale);
-        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+          quantize_row(src + t * stride + h * d, d, dst + (slots[t] * kv_heads + h) * (d + kScaleBytes<C>),
+                       scratch.data());
       } else if constexpr (std::is_same_v<S, C>) {
         std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(C));
       } else {
