@@ -30,14 +30,18 @@ PREDICTORS: tuple[Predictor, ...] = ("learned", "max_tokens")
 DEFAULT_TOKEN_BUDGET = 2048
 
 
-def token_budget(given: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
-    """`max_num_batched_tokens`: the one given, else vLLM's default: 2048, or enough for a
-    whole max-length prompt in one step when prompts cannot be chunked."""
+def token_budget(
+    given: int | None,
+    enable_chunked_prefill: bool,
+    max_model_len: int,
+    default: int = DEFAULT_TOKEN_BUDGET,
+) -> int:
+    """`max_num_batched_tokens`: the one given, else `default` (vLLM's server default on the
+    CPU, 2048, unless the run is offline), or enough for a whole max-length prompt in one
+    step when prompts cannot be chunked."""
     if given is not None:
         return given
-    return (
-        DEFAULT_TOKEN_BUDGET if enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, max_model_len)
-    )
+    return default if enable_chunked_prefill else max(default, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -214,3 +218,10 @@ class SchedulerConfig:
         if self.scheduling_policy == "slo":
             return "slack"
         return "priority" if self.scheduling_policy == "priority" else "newest"
+
+
+# An offline run (`stepserve generate`, `service.offline.LLM`) answers whole responses, so no
+# one waits between its tokens: it takes vLLM's CPU defaults for its LLM class (4,096 tokens
+# and 256 requests a step against the server's 2,048 and 128) and no step-time budget, whose
+# short steps buy inter-token latency with throughput (docs/scheduling.md).
+OFFLINE_DEFAULTS = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=256, max_step_ms=0.0)

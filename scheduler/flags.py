@@ -82,10 +82,16 @@ def _slo_class(value: str) -> tuple[tuple[str, SLO], ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Declare the scheduler's flags (vLLM's names where the concept is the same); the docs
-    say more: docs/scheduling.md, docs/step_time_budget.md."""
-    d = _DEFAULTS
+def add_scheduler_args(
+    parser: argparse.ArgumentParser, defaults: SchedulerConfig = _DEFAULTS
+) -> argparse._ArgumentGroup:
+    """Declare the scheduler's flags (vLLM's names where the concept is the same) with the
+    values of `defaults` (an offline run's are `OFFLINE_DEFAULTS`); the docs say more:
+    docs/scheduling.md, docs/step_time_budget.md."""
+    d = defaults
+    # the token budget's flag defaults to None (resolved with chunked prefill and the
+    # context length); this is the budget it resolves to when prompts are chunked
+    parser.set_defaults(default_token_budget=d.max_num_batched_tokens)
     g = parser.add_argument_group("scheduler")
     add = g.add_argument
     add("--max-num-batched-tokens", type=POSITIVE_INT, default=None,
@@ -115,12 +121,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     add("--preemption-mode", choices=("recompute", "swap", "auto"), default=d.preemption_mode,
         help="a victim's KV: recompute it, swap it to host memory, or the cheaper of the two "
              "(default %(default)s)")
-    _add_policy_args(g)
+    _add_policy_args(g, d)
     return g
 
 
-def _add_policy_args(g: argparse._ArgumentGroup) -> None:
-    d = _DEFAULTS
+def _add_policy_args(g: argparse._ArgumentGroup, d: SchedulerConfig) -> None:
     add = g.add_argument
     add("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
         help="waiting-queue order: fcfs, priority (aged), sjf (shortest predicted first, aged), "
@@ -175,7 +180,9 @@ def from_args(ns: argparse.Namespace, *, max_model_len: int, **runtime: Any) -> 
         fields["slo_classes"] = SLOClasses(ns.default_slo, classes)
     except ValueError as exc:  # a class named twice across --slo-class flags
         raise ValueError(f"--slo-class: {exc}") from None
-    budget = token_budget(ns.max_num_batched_tokens, ns.enable_chunked_prefill, max_model_len)
+    budget = token_budget(
+        ns.max_num_batched_tokens, ns.enable_chunked_prefill, max_model_len, ns.default_token_budget
+    )
     return SchedulerConfig(**{**fields, **runtime, "max_model_len": max_model_len,
                               "max_num_batched_tokens": budget})
 

@@ -1,6 +1,7 @@
 """`stepserve serve` and `stepserve simulate` offer the same scheduler flags, with the same
 defaults and the same validation, and both build their `SchedulerConfig` from them the same
-way (`scheduler.flags`); every default is the config's own."""
+way (`scheduler.flags`); every default is the config's own (an offline run's, the offline
+config's)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import dataclasses
 import pytest
 
 from loadgen.sim.cli import _run_parser
-from scheduler.config import SchedulerConfig
+from scheduler.config import OFFLINE_DEFAULTS, SchedulerConfig
 from scheduler.flags import FLAG_FIELDS, flag_error, from_args
+from service.cli.checks import worker_config
 from service.cli.serve_args import build_parser
 
 SCHEDULER_GROUP = "scheduler"
@@ -80,3 +82,23 @@ def test_a_bad_combination_is_reported_with_flag_names() -> None:
 def test_field_names_and_flag_dests_agree() -> None:
     names = {f.name for f in dataclasses.fields(SchedulerConfig)}
     assert set(FLAG_FIELDS) <= names
+
+
+def test_an_offline_run_takes_the_offline_defaults_and_the_flags_still_win() -> None:
+    offline = build_parser(offline=True)
+    actions = _scheduler_actions(offline)
+    for name in FLAG_FIELDS:
+        assert actions[name].default == getattr(OFFLINE_DEFAULTS, name), name
+    config = from_args(offline.parse_args([]), max_model_len=512)
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.max_step_ms) == (4096, 256, 0.0)
+    assert worker_config(offline.parse_args([])).max_num_batched_tokens == 4096
+    given = offline.parse_args(["--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--max-step-ms", "120"])
+    config = from_args(given, max_model_len=512)
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.max_step_ms) == (1024, 8, 120.0)
+    assert worker_config(given).max_num_batched_tokens == 1024
+    # without chunked prefill a whole prompt of the context length still fits a step
+    unchunked = offline.parse_args(["--no-enable-chunked-prefill"])
+    assert from_args(unchunked, max_model_len=8192).max_num_batched_tokens == 8192
+    # the server's defaults are not touched by the offline parser's
+    served = from_args(build_parser().parse_args([]), max_model_len=512)
+    assert (served.max_num_batched_tokens, served.max_num_seqs, served.max_step_ms) == (2048, 128, 150.0)

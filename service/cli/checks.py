@@ -98,7 +98,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=a["max_model_len"],
         # sizes the CUDA profiling forward, which is capped at the model's length anyway
         max_num_batched_tokens=token_budget(
-            a["max_num_batched_tokens"], a["enable_chunked_prefill"], a["max_model_len"] or 1 << 31
+            a["max_num_batched_tokens"], a["enable_chunked_prefill"], a["max_model_len"] or 1 << 31,
+            a["default_token_budget"],
         ),
         kv_cache_memory=kv_cache_bytes(a["kv_cache_memory"]),
         gpu_memory_utilization=a["gpu_memory_utilization"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from scheduler.config import OFFLINE_DEFAULTS, SchedulerConfig
 from scheduler.flags import (
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
@@ -235,5 +236,5 @@ def build_parser(offline: bool = False) -> argparse.ArgumentParser:
         _add_server(p)
     _add_model(p)
     _add_cache(p)
-    add_scheduler_args(p)
+    add_scheduler_args(p, OFFLINE_DEFAULTS if offline else SchedulerConfig())
     return p
