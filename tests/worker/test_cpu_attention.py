@@ -225,6 +225,24 @@ def test_bf16_chunk_products_match_float64_to_bfloat16_precision(heads: int, kv_
     assert (out - exact).abs().max() < 2e-2
 
 
+def test_bf16_chunks_over_more_converted_keys_than_one_batch_holds() -> None:
+    """Many long chunks over long cached contexts (33 x 2,720 keys of 3 kv heads: 69 MB of
+    bfloat16 keys and values, over the 64 MiB the kernel converts at once) go through in
+    batches: each chunk's output is what it is alone, and within bfloat16's precision of
+    float64 attention."""
+    if not torch.ops.stepserve_cpu.chunk_bf16_supported():
+        pytest.skip("this build has no AVX512-BF16 (the CPU does not list avx512_bf16)")
+    context, chunks = [2700] * 33, [SMALL_QUERY + 1] * 33
+    tables, k_cache, v_cache, q = _chunk_case(8, context, chunks, 9, 3, 64, 16, torch.float16)
+    out = _chunk_op(q, k_cache, v_cache, tables, context, chunks, bf16=True)
+    n = chunks[0]
+    for r in (0, 16, 32):  # the first batch's first chunk, one in the middle, the last batch's
+        alone = _chunk_op(q[r * n : (r + 1) * n], k_cache, v_cache, tables[r : r + 1], context[:1], chunks[:1], bf16=True)
+        assert torch.equal(out[r * n : (r + 1) * n], alone)
+        want = _causal_reference(q[r * n : (r + 1) * n], k_cache, v_cache, tables[r], context[r], n)
+        torch.testing.assert_close(out[r * n : (r + 1) * n].double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_decode_kernel_output_depends_on_its_request_alone() -> None:
     """A request's output is bitwise the same alone and batched with others of other lengths
     (the spans a context is cut into depend on its length alone)."""

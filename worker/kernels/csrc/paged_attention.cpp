@@ -28,6 +28,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -431,7 +432,8 @@ void attend_spans(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, co
 // softmax (running max, rescale, sum) is elementwise across rows, and P V is FMAs of a
 // broadcast value element into row vectors. Keys come from the cache through the block
 // table, tile by tile (this chunk's own K/V were written first), converted to float32 once
-// a tile and shared by every row of the item; tiles past the item's last position are
+// a tile and shared by every row of the item (the bf16 path: converted to bfloat16 once a
+// step for all the request's items, Bf16Rows); tiles past the item's last position are
 // skipped, and a tile crossing the diagonal masks keys past each row's position.
 constexpr int64_t kChunkTokens = 32;  // a multiple of 2 * kW: a register block is one head's tokens
 constexpr int64_t kKeyTile = 32;
@@ -440,12 +442,10 @@ constexpr int64_t kPass = kW >= 16 ? 8 : 4;  // keys (QK) or head elements (PV) 
 struct ChunkScratch {
   std::vector<float> qt, acc;  // [D][rows]: scaled queries, unnormalized outputs
   std::vector<float> m, l;     // [rows]: running max and sum of exponentials
-  std::vector<float> k, v;     // [kKeyTile][D]: the tile's keys and values in float32
+  std::vector<float> k, v;     // [kKeyTile][D]: the tile's keys and values in float32 (float32 path)
   std::vector<float> p;        // [kKeyTile][2 kW]: one register block's scores, then weights
   // the bfloat16 products' operands, two bfloat16 a 32-bit word (low: the first):
   std::vector<uint32_t> qt2;   // [D / 2][rows]: a row's query elements (2e, 2e + 1)
-  std::vector<uint32_t> k2;    // [kKeyTile][D / 2]: a key's elements (2e, 2e + 1)
-  std::vector<uint32_t> v2;    // [kKeyTile / 2][D]: element d of values (2i, 2i + 1)
   std::vector<uint32_t> p2;    // [kKeyTile / 2][2 kW]: a row's weights of keys (2i, 2i + 1)
 };
 
@@ -499,10 +499,20 @@ struct ChunkItem {
   int64_t cost;           // keys x rows, to hand out the largest items first
 };
 
+// A request's keys and values of one kv head in bfloat16, as the bf16 products read them:
+// k2 [keys][D / 2] (a key's elements 2e, 2e + 1 in one word), v2 [keys / 2][D] (element d of
+// keys 2i, 2i + 1), keys padded with zeros to whole key tiles. Converted once a step for every
+// item that reads them (convert_tiles), where each item converting its own tiles measured
+// ~10 % of the kernel's time.
+struct Bf16Rows {
+  const uint32_t* k2 = nullptr;
+  const uint32_t* v2 = nullptr;
+};
+
 template <typename C, int64_t D, bool Bf16>
 void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_cache, const int64_t* table,
                        int64_t row0, int64_t nt, int64_t pos0, int64_t h, int64_t group, int64_t heads,
-                       int64_t kv_heads, int64_t bs, float scale, ChunkScratch& s) {
+                       int64_t kv_heads, int64_t bs, float scale, const Bf16Rows& converted, ChunkScratch& s) {
   constexpr int64_t T = kChunkTokens, RB = 2 * kW;
   static_assert(T % RB == 0 && kKeyTile % kPass == 0 && D % kPass == 0, "tiles must divide evenly");
   static_assert(!Bf16 || (kChunkBf16 && kKeyTile % 2 == 0), "bfloat16 products need AVX512-BF16");
@@ -511,16 +521,14 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   s.acc.assign(D * R, 0.f);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.f);
-  s.k.resize(kKeyTile * D);
-  s.v.resize(kKeyTile * D);
   s.p.resize(kKeyTile * RB);
   // rows of padding tokens (nt < T) stay zero and are never written out
   if constexpr (Bf16) {
     s.qt2.assign(D / 2 * R, 0u);
-    s.k2.resize(kKeyTile * D / 2);
-    s.v2.resize(kKeyTile / 2 * D);
     s.p2.resize(kKeyTile / 2 * RB);
   } else {
+    s.k.resize(kKeyTile * D);
+    s.v.resize(kKeyTile * D);
     s.qt.assign(D * R, 0.f);
   }
   for (int64_t g = 0; g < group; ++g)
@@ -541,28 +549,19 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   Vec rows[D / kW];
   for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, last + 1 - k0);
-    for (int64_t j = 0; j < kn; ++j) {
-      const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
-      load_scaled_row<C, D>(k_cache + off, rows);
-      for (int64_t x = 0; x < D / kW; ++x) rows[x].store(kt + j * D + x * kW);
-      load_scaled_row<C, D>(v_cache + off, rows);
-      for (int64_t x = 0; x < D / kW; ++x) rows[x].store(vt + j * D + x * kW);
+    const uint32_t* k2 = converted.k2 + k0 * D / 2;  // the bf16 path's tile (see Bf16Rows)
+    const uint32_t* v2 = converted.v2 + k0 / 2 * D;
+    if constexpr (!Bf16) {
+      for (int64_t j = 0; j < kn; ++j) {
+        const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
+        load_scaled_row<C, D>(k_cache + off, rows);
+        for (int64_t x = 0; x < D / kW; ++x) rows[x].store(kt + j * D + x * kW);
+        load_scaled_row<C, D>(v_cache + off, rows);
+        for (int64_t x = 0; x < D / kW; ++x) rows[x].store(vt + j * D + x * kW);
+      }
+      std::fill(kt + kn * D, kt + kKeyTile * D, 0.f);  // masked below; zeros keep 0 * value finite
+      std::fill(vt + kn * D, vt + kKeyTile * D, 0.f);
     }
-    std::fill(kt + kn * D, kt + kKeyTile * D, 0.f);  // masked below; zeros keep 0 * value finite
-    std::fill(vt + kn * D, vt + kKeyTile * D, 0.f);
-#ifdef SS_CHUNK_BF16
-    if constexpr (Bf16) {
-      auto* k16 = reinterpret_cast<uint16_t*>(s.k2.data());  // a key's bfloat16 in order are its pairs
-      for (int64_t j = 0; j < kKeyTile; ++j)
-        for (int64_t x = 0; x < D; x += kW)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(k16 + j * D + x),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kt + j * D + x)));
-      for (int64_t i = 0; i < kKeyTile / 2; ++i)
-        for (int64_t x = 0; x < D; x += kW)
-          _mm512_storeu_si512(s.v2.data() + i * D + x,
-                              bf16_pairs(_mm512_loadu_ps(vt + 2 * i * D + x), _mm512_loadu_ps(vt + (2 * i + 1) * D + x)));
-    }
-#endif
     const bool diagonal = k0 + kKeyTile - 1 > pos0;  // some key of the tile is past some row
     for (int64_t rb = 0; rb < R; rb += RB) {
       for (int64_t j0 = 0; j0 < kKeyTile; j0 += kPass) {  // scores: p[j][lane] = q[lane] . k[j]
@@ -574,7 +573,7 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
           for (int64_t e = 0; e < D / 2; ++e) {
             const __m512i q0 = _mm512_loadu_si512(qb + e * R), q1 = _mm512_loadu_si512(qb + e * R + kW);
             for (int64_t jj = 0; jj < kPass; ++jj) {
-              const uint32_t kv = s.k2[(j0 + jj) * D / 2 + e];
+              const uint32_t kv = k2[(j0 + jj) * D / 2 + e];
               a[jj][0] = dot_bf16(a[jj][0], q0, kv);
               a[jj][1] = dot_bf16(a[jj][1], q1, kv);
             }
@@ -651,7 +650,7 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
           for (int64_t i = 0; i < (kn + 1) / 2; ++i) {
             const __m512i p0 = _mm512_loadu_si512(s.p2.data() + i * RB), p1 = _mm512_loadu_si512(s.p2.data() + i * RB + kW);
             for (int64_t dd = 0; dd < kPass; ++dd) {
-              const uint32_t vv = s.v2[i * D + d0 + dd];
+              const uint32_t vv = v2[i * D + d0 + dd];
               a[dd][0] = dot_bf16(a[dd][0], p0, vv);
               a[dd][1] = dot_bf16(a[dd][1], p1, vv);
             }
@@ -683,12 +682,39 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
     }
 }
 
-// The long chunks `chunks` (request indices) of a float32 step: every item in parallel,
-// largest first, each thread taking the next one (chunks of different lengths and the
-// causal triangle make items unequal).
+#ifdef SS_CHUNK_BF16
+// Key tile k0 of one request and kv head (keys past `keys` zero) into its Bf16Rows.
 template <typename C, int64_t D>
-void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
-                   const std::vector<int64_t>& chunks, float scale) {
+void convert_tile(const C* k_cache, const C* v_cache, const int64_t* table, int64_t keys, int64_t k0, int64_t h,
+                  int64_t kv_heads, int64_t bs, uint32_t* k2, uint32_t* v2) {
+  const int64_t token_stride = kv_heads * kRow<C, D>, block_stride = bs * token_stride;
+  auto* k16 = reinterpret_cast<uint16_t*>(k2 + k0 * D / 2);  // a key's bfloat16 in order are its pairs
+  Vec kr[D / kW], vr[2][D / kW];
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    const int64_t p = k0 + j;
+    if (p < keys) {
+      const int64_t off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
+      load_scaled_row<C, D>(k_cache + off, kr);
+      load_scaled_row<C, D>(v_cache + off, vr[j % 2]);
+    } else {
+      for (int64_t x = 0; x < D / kW; ++x) kr[x] = vr[j % 2][x] = Vec(0.f);
+    }
+    for (int64_t x = 0; x < D / kW; ++x)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(k16 + j * D + x * kW), (__m256i)_mm512_cvtneps_pbh(kr[x]));
+    if (j % 2 == 1)
+      for (int64_t x = 0; x < D / kW; ++x)
+        _mm512_storeu_si512(v2 + (k0 + j) / 2 * D + x * kW, bf16_pairs(vr[0][x], vr[1][x]));
+  }
+}
+#endif
+
+// The long chunks `chunks` (request indices) of a float32 step (a batch of them: see
+// attend_chunks): with `bf16`, their keys and values converted to bfloat16 first (tiles in
+// parallel), then every item in parallel, largest first, each thread taking the next one
+// (chunks of different lengths and the causal triangle make items unequal).
+template <typename C, int64_t D>
+void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
+                        const std::vector<int64_t>& chunks, float scale, bool bf16) {
   const int64_t heads = q.size(1), kv_heads = kc.size(2), bs = kc.size(1), group = heads / kv_heads;
   const auto* qsl = g_state.query_start_loc.data_ptr<int64_t>();
   const auto* lens = g_state.seq_lens.data_ptr<int64_t>();
@@ -706,6 +732,30 @@ void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, c
   float* o_ptr = out.data_ptr<float>();
   const C* k_ptr = kc.data_ptr<C>();
   const C* v_ptr = vc.data_ptr<C>();
+  // the bf16 path: every chunk's keys and values in bfloat16 once, [chunk][kv head][keys]
+  std::vector<int64_t> first(chunks.size() + 1, 0);  // a chunk's first padded key in `converted`
+  for (size_t c = 0; c < chunks.size(); ++c)
+    first[c + 1] = first[c] + (lens[chunks[c]] + kKeyTile - 1) / kKeyTile * kKeyTile;
+  static std::vector<uint32_t> converted;  // the op runs one call at a time
+#ifdef SS_CHUNK_BF16
+  if (bf16) {
+    converted.resize(first.back() * kv_heads * D);  // K: keys x D / 2 words, V: keys / 2 x D
+    std::vector<std::array<int64_t, 3>> tiles;      // (chunk, kv head, first key)
+    for (size_t c = 0; c < chunks.size(); ++c)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t k0 = 0; k0 < lens[chunks[c]]; k0 += kKeyTile) tiles.push_back({static_cast<int64_t>(c), h, k0});
+    at::parallel_for(0, static_cast<int64_t>(tiles.size()), 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [c, h, k0] = tiles[i];
+        uint32_t* base = converted.data() + (first[c] * kv_heads + h * (first[c + 1] - first[c])) * D;
+        convert_tile<C, D>(k_ptr, v_ptr, tables + chunks[c] * table_width, lens[chunks[c]], k0, h, kv_heads, bs,
+                           base, base + (first[c + 1] - first[c]) * D / 2);
+      }
+    });
+  }
+#endif
+  std::vector<int64_t> chunk_of(g_state.seq_lens.size(0), -1);
+  for (size_t c = 0; c < chunks.size(); ++c) chunk_of[chunks[c]] = static_cast<int64_t>(c);
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -715,14 +765,44 @@ void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, c
       const int64_t n = qsl[it.req + 1] - qsl[it.req], nt = std::min(kChunkTokens, n - it.t0);
       const int64_t row0 = qsl[it.req] + it.t0, pos0 = lens[it.req] - n + it.t0;
       const int64_t* table = tables + it.req * table_width;
-      if (kChunkBf16 && g_state.chunk_bf16)
+      if (bf16) {
+        const int64_t c = chunk_of[it.req], keys = first[c + 1] - first[c];
+        const uint32_t* base = converted.data() + (first[c] * kv_heads + it.head * keys) * D;
         attend_chunk_item<C, D, kChunkBf16>(q_ptr, o_ptr, k_ptr, v_ptr, table, row0, nt, pos0, it.head, group, heads,
-                                            kv_heads, bs, scale, scratch);
-      else
+                                            kv_heads, bs, scale, {base, base + keys * D / 2}, scratch);
+      } else {
         attend_chunk_item<C, D, false>(q_ptr, o_ptr, k_ptr, v_ptr, table, row0, nt, pos0, it.head, group, heads,
-                                       kv_heads, bs, scale, scratch);
+                                       kv_heads, bs, scale, {}, scratch);
+      }
     }
   });
+}
+
+// The bf16 path's converted keys and values take at most this many bytes at once: a step's
+// chunks go through in batches that fit (one chunk alone may pass it: 8,192 keys of 8 kv
+// heads of 128 take 32 MiB), so many short chunks over long cached contexts do not hold a
+// copy of all those contexts.
+constexpr int64_t kConvertedBytes = int64_t{64} << 20;
+
+template <typename C, int64_t D>
+void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, const at::Tensor& vc,
+                   const std::vector<int64_t>& chunks, float scale) {
+  if (!(kChunkBf16 && g_state.chunk_bf16)) return attend_chunk_batch<C, D>(q, out, kc, vc, chunks, scale, false);
+  const auto* lens = g_state.seq_lens.data_ptr<int64_t>();
+  const int64_t key_bytes = kc.size(2) * D * 4;  // K and V of every kv head, two bytes a value
+  std::vector<int64_t> batch;
+  int64_t bytes = 0;
+  for (const int64_t r : chunks) {
+    const int64_t b = (lens[r] + kKeyTile - 1) / kKeyTile * kKeyTile * key_bytes;
+    if (!batch.empty() && bytes + b > kConvertedBytes) {
+      attend_chunk_batch<C, D>(q, out, kc, vc, batch, scale, true);
+      batch.clear();
+      bytes = 0;
+    }
+    batch.push_back(r);
+    bytes += b;
+  }
+  if (!batch.empty()) attend_chunk_batch<C, D>(q, out, kc, vc, batch, scale, true);
 }
 
 // Every query token of the short requests.
