@@ -502,7 +502,7 @@ struct ChunkItem {
 // A request's keys and values of one kv head in bfloat16, as the bf16 products read them:
 // k2 [keys][D / 2] (a key's elements 2e, 2e + 1 in one word), v2 [keys / 2][D] (element d of
 // keys 2i, 2i + 1), keys padded with zeros to whole key tiles. Converted once a step for every
-// item that reads them (convert_tiles), where each item converting its own tiles measured
+// item that reads them (convert_tile), where each item converting its own tiles measured
 // ~10 % of the kernel's time.
 struct Bf16Rows {
   const uint32_t* k2 = nullptr;
@@ -549,8 +549,8 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   Vec rows[D / kW];
   for (int64_t k0 = 0; k0 <= last; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, last + 1 - k0);
-    const uint32_t* k2 = converted.k2 + k0 * D / 2;  // the bf16 path's tile (see Bf16Rows)
-    const uint32_t* v2 = converted.v2 + k0 / 2 * D;
+    const uint32_t* k2 = Bf16 ? converted.k2 + k0 * D / 2 : nullptr;  // the bf16 path's tile (Bf16Rows)
+    const uint32_t* v2 = Bf16 ? converted.v2 + k0 / 2 * D : nullptr;
     if constexpr (!Bf16) {
       for (int64_t j = 0; j < kn; ++j) {
         const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
@@ -736,7 +736,9 @@ void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
   std::vector<int64_t> first(chunks.size() + 1, 0);  // a chunk's first padded key in `converted`
   for (size_t c = 0; c < chunks.size(); ++c)
     first[c + 1] = first[c] + (lens[chunks[c]] + kKeyTile - 1) / kKeyTile * kKeyTile;
-  static std::vector<uint32_t> converted;  // the op runs one call at a time
+  // one op call at a time (the step's metadata is this file's one registry too); it keeps
+  // its largest size, at most kConvertedBytes or one chunk's keys
+  static std::vector<uint32_t> converted;
 #ifdef SS_CHUNK_BF16
   if (bf16) {
     converted.resize(first.back() * kv_heads * D);  // K: keys x D / 2 words, V: keys / 2 x D
