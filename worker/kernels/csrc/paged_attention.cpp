@@ -495,9 +495,20 @@ constexpr bool kChunkBf16 = false;
 #endif
 
 struct ChunkItem {
-  int64_t req, head, t0;  // request index, kv head, first query token within its chunk
+  int64_t req, chunk;     // request index, and its place in the batch's chunks
+  int64_t head, t0;       // kv head, first query token within its chunk
   int64_t cost;           // keys x rows, to hand out the largest items first
 };
+
+// Where token p's row of kv head h starts in a paged cache (elements from its start).
+template <typename C, int64_t D>
+inline int64_t row_offset(const int64_t* table, int64_t p, int64_t h, int64_t kv_heads, int64_t bs) {
+  const int64_t token_stride = kv_heads * kRow<C, D>;
+  return table[p / bs] * bs * token_stride + (p % bs) * token_stride + h * kRow<C, D>;
+}
+
+// Keys a request's converted rows hold: its context, padded to whole key tiles.
+inline int64_t padded_keys(int64_t len) { return (len + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
 // A request's keys and values of one kv head in bfloat16, as the bf16 products read them:
 // k2 [keys][D / 2] (a key's elements 2e, 2e + 1 in one word), v2 [keys / 2][D] (element d of
@@ -517,7 +528,6 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
   static_assert(T % RB == 0 && kKeyTile % kPass == 0 && D % kPass == 0, "tiles must divide evenly");
   static_assert(!Bf16 || (kChunkBf16 && kKeyTile % 2 == 0), "bfloat16 products need AVX512-BF16");
   const int64_t R = group * T, last = pos0 + nt - 1;  // row token i sits at position pos0 + i
-  const int64_t token_stride = kv_heads * kRow<C, D>, block_stride = bs * token_stride;
   s.acc.assign(D * R, 0.f);
   s.m.assign(R, -std::numeric_limits<float>::infinity());
   s.l.assign(R, 0.f);
@@ -553,7 +563,7 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
     const uint32_t* v2 = Bf16 ? converted.v2 + k0 / 2 * D : nullptr;
     if constexpr (!Bf16) {
       for (int64_t j = 0; j < kn; ++j) {
-        const int64_t p = k0 + j, off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
+        const int64_t off = row_offset<C, D>(table, k0 + j, h, kv_heads, bs);
         load_scaled_row<C, D>(k_cache + off, rows);
         for (int64_t x = 0; x < D / kW; ++x) rows[x].store(kt + j * D + x * kW);
         load_scaled_row<C, D>(v_cache + off, rows);
@@ -687,13 +697,12 @@ void attend_chunk_item(const float* q, float* out, const C* k_cache, const C* v_
 template <typename C, int64_t D>
 void convert_tile(const C* k_cache, const C* v_cache, const int64_t* table, int64_t keys, int64_t k0, int64_t h,
                   int64_t kv_heads, int64_t bs, uint32_t* k2, uint32_t* v2) {
-  const int64_t token_stride = kv_heads * kRow<C, D>, block_stride = bs * token_stride;
   auto* k16 = reinterpret_cast<uint16_t*>(k2 + k0 * D / 2);  // a key's bfloat16 in order are its pairs
   Vec kr[D / kW], vr[2][D / kW];
   for (int64_t j = 0; j < kKeyTile; ++j) {
     const int64_t p = k0 + j;
     if (p < keys) {
-      const int64_t off = table[p / bs] * block_stride + (p % bs) * token_stride + h * kRow<C, D>;
+      const int64_t off = row_offset<C, D>(table, p, h, kv_heads, bs);
       load_scaled_row<C, D>(k_cache + off, kr);
       load_scaled_row<C, D>(v_cache + off, vr[j % 2]);
     } else {
@@ -721,11 +730,11 @@ void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
   const auto* tables = g_state.block_tables.data_ptr<int64_t>();
   const int64_t table_width = g_state.block_tables.size(1);
   std::vector<ChunkItem> items;
-  for (const int64_t r : chunks) {
-    const int64_t n = qsl[r + 1] - qsl[r];
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int64_t r = chunks[c], n = qsl[r + 1] - qsl[r];
     for (int64_t t0 = 0; t0 < n; t0 += kChunkTokens)
       for (int64_t h = 0; h < kv_heads; ++h)
-        items.push_back({r, h, t0, (lens[r] - n + std::min(n, t0 + kChunkTokens)) * group});
+        items.push_back({r, static_cast<int64_t>(c), h, t0, (lens[r] - n + std::min(n, t0 + kChunkTokens)) * group});
   }
   std::stable_sort(items.begin(), items.end(), [](const ChunkItem& a, const ChunkItem& b) { return a.cost > b.cost; });
   const float* q_ptr = q.data_ptr<float>();
@@ -735,7 +744,7 @@ void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
   // the bf16 path: every chunk's keys and values in bfloat16 once, [chunk][kv head][keys]
   std::vector<int64_t> first(chunks.size() + 1, 0);  // a chunk's first padded key in `converted`
   for (size_t c = 0; c < chunks.size(); ++c)
-    first[c + 1] = first[c] + (lens[chunks[c]] + kKeyTile - 1) / kKeyTile * kKeyTile;
+    first[c + 1] = first[c] + padded_keys(lens[chunks[c]]);
   // one op call at a time (the step's metadata is this file's one registry too); it keeps
   // its largest size, at most kConvertedBytes or one chunk's keys
   static std::vector<uint32_t> converted;
@@ -756,8 +765,6 @@ void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
     });
   }
 #endif
-  std::vector<int64_t> chunk_of(g_state.seq_lens.size(0), -1);
-  for (size_t c = 0; c < chunks.size(); ++c) chunk_of[chunks[c]] = static_cast<int64_t>(c);
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -768,8 +775,8 @@ void attend_chunk_batch(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
       const int64_t row0 = qsl[it.req] + it.t0, pos0 = lens[it.req] - n + it.t0;
       const int64_t* table = tables + it.req * table_width;
       if (bf16) {
-        const int64_t c = chunk_of[it.req], keys = first[c + 1] - first[c];
-        const uint32_t* base = converted.data() + (first[c] * kv_heads + it.head * keys) * D;
+        const int64_t keys = first[it.chunk + 1] - first[it.chunk];
+        const uint32_t* base = converted.data() + (first[it.chunk] * kv_heads + it.head * keys) * D;
         attend_chunk_item<C, D, kChunkBf16>(q_ptr, o_ptr, k_ptr, v_ptr, table, row0, nt, pos0, it.head, group, heads,
                                             kv_heads, bs, scale, {base, base + keys * D / 2}, scratch);
       } else {
@@ -795,7 +802,7 @@ void attend_chunks(const at::Tensor& q, at::Tensor& out, const at::Tensor& kc, c
   std::vector<int64_t> batch;
   int64_t bytes = 0;
   for (const int64_t r : chunks) {
-    const int64_t b = (lens[r] + kKeyTile - 1) / kKeyTile * kKeyTile * key_bytes;
+    const int64_t b = padded_keys(lens[r]) * key_bytes;
     if (!batch.empty() && bytes + b > kConvertedBytes) {
       attend_chunk_batch<C, D>(q, out, kc, vc, batch, scale, true);
       batch.clear();
